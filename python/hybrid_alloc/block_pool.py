@@ -1,0 +1,339 @@
+"""`BlockPool`: the Rust pool, call-compatible with vLLM 0.32's `BlockPool`.
+
+Allocation, freeing, touching, eviction and the prefix cache run in Rust
+(`hybrid_alloc._native.NativeBlockPool`). What needs vLLM's Python objects stays here:
+building `BlockStored` events from a request (token IDs, LoRA, multimodal extra keys) and
+logging. Per-block work never loops in Python except when KV events are on, where the
+event payload itself is per block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.multimodal.utils import get_mm_features_in_window
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    resolve_block_hashes,
+    to_event_extra_keys,
+)
+
+from hybrid_alloc._native import KVCacheBlock, NativeBlockPool
+
+logger = logging.getLogger("hybrid_alloc")
+
+
+class _HashToBlockView:
+    """Read view of the prefix cache keyed by `BlockHashWithGroupId` (vLLM's
+    `cached_block_hash_to_block`)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        return self._pool._lookup_key(key)
+
+    def contain(self, key: bytes, block_id: int) -> bool:
+        return self._pool._hash_maps_to(key, block_id)
+
+    def __len__(self) -> int:
+        return self._pool._num_cached_keys()
+
+
+class _ExtraHashesView:
+    """Read view of each block's non-primary keys (vLLM's `cached_block_hashes_by_block`)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def get(self, block_id: int, default: Any = None) -> Any:
+        keys = self._pool._extra_block_hashes(block_id)
+        return set(keys) if keys else default
+
+    def __contains__(self, block_id: object) -> bool:
+        return isinstance(block_id, int) and bool(self._pool._extra_block_hashes(block_id))
+
+    def __getitem__(self, block_id: int) -> set[bytes]:
+        keys = self._pool._extra_block_hashes(block_id)
+        if not keys:
+            raise KeyError(block_id)
+        return set(keys)
+
+
+class BlockPool(NativeBlockPool):
+    """Drop-in replacement for `vllm.v1.core.block_pool.BlockPool`.
+
+    Args match vLLM's: ``num_gpu_blocks, enable_caching, hash_block_size,
+    enable_kv_cache_events=False, metrics_collector=None, medium=MEDIUM_GPU``, plus an
+    optional ``label`` naming the pool in error messages.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+        medium: str = MEDIUM_GPU,
+        label: str | None = None,
+    ) -> None:
+        # The native __new__ has already validated the arguments and built the pool.
+        self.medium = medium
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.blocks = self._block_table()
+        self.free_block_queue = self._free_queue_view()
+        self.null_block = self._block(0)
+        self.cached_block_hash_to_block = _HashToBlockView(self)
+        self.cached_block_hashes_by_block = _ExtraHashesView(self)
+        if enable_kv_cache_events:
+            self._set_removed_sink(self._append_removed_events)
+
+    # ----------------------------------------------------------------- events
+    def _append_removed_events(self, keys: list[bytes]) -> None:
+        queue = self.kv_event_queue
+        for key in keys:
+            queue.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                    medium=self.medium,
+                    group_idx=get_group_id(key),
+                )
+            )
+
+    def _stored_event(
+        self,
+        request: Any,
+        block_hashes: list[Any],
+        parent_block_hash: Any,
+        start_token_idx: int,
+        end_token_idx: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        extra_keys_list: list[tuple[Any, ...] | None],
+    ) -> BlockStored:
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=block_hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=request.all_token_ids[start_token_idx:end_token_idx],
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=self.medium,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra_keys_list),
+            group_idx=kv_cache_group_id,
+            session_id=request.session_id,
+        )
+
+    def _extra_keys_for(
+        self, request: Any, block_indices: Iterable[int], block_size: int
+    ) -> list[tuple[Any, ...] | None]:
+        out: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in block_indices:
+            keys, mm_idx = generate_block_hash_extra_keys(
+                request, i * block_size, (i + 1) * block_size, mm_idx
+            )
+            out.append(keys)
+        return out
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    # --------------------------------------------------------- prefix caching
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block
+        hashes (null and masked-out blocks are skipped)."""
+        if num_cached_blocks >= num_full_blocks:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        self._cache_full_blocks(
+            blocks,
+            hashes,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        )
+        if not self.enable_kv_cache_events:
+            return
+        kept = [
+            i
+            for i in range(num_cached_blocks, num_full_blocks)
+            if not blocks[i].is_null
+            and (block_mask is None or block_mask[i - num_cached_blocks])
+        ]
+        parent = (
+            None
+            if num_cached_blocks == 0
+            else maybe_convert_block_hash(hashes[num_cached_blocks - 1])
+        )
+        self.kv_event_queue.append(
+            self._stored_event(
+                request,
+                [maybe_convert_block_hash(hashes[i]) for i in kept],
+                parent,
+                num_cached_blocks * block_size,
+                num_full_blocks * block_size,
+                block_size,
+                kv_cache_group_id,
+                self._extra_keys_for(request, kept, block_size),
+            )
+        )
+
+    def emit_cached_block_events(
+        self,
+        request: Any,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Emit one `BlockStored` event for blocks a request reused from the prefix cache
+        (state is unchanged; external indexers learn about the reuse)."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        indices = range(num_cached_blocks)
+        self.kv_event_queue.append(
+            self._stored_event(
+                request,
+                [maybe_convert_block_hash(hashes[i]) for i in indices],
+                None,
+                0,
+                num_cached_blocks * block_size,
+                block_size,
+                kv_cache_group_id,
+                self._extra_keys_for(request, indices, block_size),
+            )
+        )
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> bytes | None:
+        """Make ``block`` reachable from the prefix hash at ``num_tokens`` (a multiple of
+        ``hash_block_size`` inside the block). Returns the key, or None for the null block."""
+        if block.is_null:
+            return None
+        hbs = self.hash_block_size
+        if block_size % hbs != 0 or num_tokens <= 0 or num_tokens % hbs != 0:
+            raise ValueError(
+                f"{self.label}: cache_partial_block: num_tokens={num_tokens} and "
+                f"block_size={block_size} must be positive multiples of hash_block_size={hbs}"
+            )
+        num_hash_blocks = num_tokens // hbs
+        if num_hash_blocks > len(request.block_hashes):
+            raise ValueError(
+                f"{self.label}: cache_partial_block: block {block.block_id}: request has "
+                f"{len(request.block_hashes)} block hashes, {num_hash_blocks} needed"
+            )
+        block_hash = request.block_hashes[num_hash_blocks - 1]
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        already = block.block_hash == key or self._hash_maps_to(key, block.block_id)
+        covered = block.block_hash_num_tokens
+        if replace_existing_hashes or (
+            not already
+            and block.block_hash is not None
+            and covered is not None
+            and covered < num_tokens
+        ):
+            self._emit_block_removed_events(self._remove_cached_block_hashes(block))
+            already = False
+        self._insert_block_hash(key, block, num_tokens)
+        if self.enable_kv_cache_events and not already:
+            self._append_partial_stored_event(request, block_hash, num_tokens, kv_cache_group_id)
+        return key
+
+    def _append_partial_stored_event(
+        self, request: Any, block_hash: bytes, num_tokens: int, kv_cache_group_id: int
+    ) -> None:
+        hbs = self.hash_block_size
+        num_hash_blocks = num_tokens // hbs
+        parent = request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
+        start = (num_hash_blocks - 1) * hbs
+        mm_idx = 0
+        mm_features = request.mm_features
+        if start > 0 and mm_features:
+            last = mm_features[-1].mm_position
+            if last.offset + last.length > start:
+                mm_idx, _ = get_mm_features_in_window(mm_features, start, num_tokens)
+        extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_idx)
+        lora = request.lora_request
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(block_hash)],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=request.all_token_ids[start:num_tokens],
+                block_size=num_tokens - start,
+                lora_id=lora.adapter_id if lora else None,
+                medium=self.medium,
+                lora_name=lora.name if lora else None,
+                extra_keys=to_event_extra_keys([extra_keys]),
+                group_idx=kv_cache_group_id,
+                session_id=request.session_id,
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; refused (False) while any block is in use."""
+        if not self._reset_prefix_cache():
+            in_use = self.num_gpu_blocks - 1 - self.get_num_free_blocks()
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                in_use,
+            )
+            return False
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
+        logger.info("Successfully reset prefix cache")
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def get_cached_blocks(
+        self, block_hashes: Sequence[bytes], kv_cache_group_ids: list[int], max_blocks: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Longest cached prefix of ``block_hashes`` in every group, in one call."""
+        return self.get_cached_prefix(block_hashes, list(kv_cache_group_ids), max_blocks)
+
+    def __repr__(self) -> str:
+        return (
+            f"hybrid_alloc.BlockPool({self.label!r}, blocks={self.num_gpu_blocks}, "
+            f"free={self.get_num_free_blocks()}, caching={self.enable_caching})"
+        )

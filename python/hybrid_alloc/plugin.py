@@ -1,0 +1,60 @@
+"""The vLLM plugin (entry point ``vllm.general_plugins: hybrid_alloc``).
+
+vLLM runs general plugins once per process before it builds the KV-cache coordinator and
+the scheduler, including in the engine-core process that owns them. With the Rust backend
+selected, :func:`register` makes the coordinator build :class:`hybrid_alloc.BlockPool`
+instead of vLLM's stock pool; vLLM looks the name up when it builds each coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hybrid_alloc.backend import ENV_VAR, selected_backend
+
+# Under vLLM's logger namespace so that vLLM's logging configuration prints it.
+logger = logging.getLogger("vllm.hybrid_alloc")
+
+_installed: str | None = None
+
+
+def register() -> None:
+    """Entry point: install the selected backend in this process (idempotent)."""
+    global _installed
+    backend = selected_backend()  # raises ValueError, failing startup, on a bad value
+    if _installed == backend:
+        return
+    if backend == "rust":
+        install_rust_pool()
+    else:
+        restore_stock_pool()
+    _installed = backend
+    logger.info(
+        "hybrid_alloc: KV-cache block pool backend is '%s' (%s, pid %d)",
+        backend,
+        ENV_VAR,
+        os.getpid(),
+    )
+
+
+def install_rust_pool() -> None:
+    """Make vLLM's KV-cache coordinator build the Rust pool."""
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+
+    from hybrid_alloc.block_pool import BlockPool
+
+    coordinator.BlockPool = BlockPool  # type: ignore[misc,assignment]
+
+
+def restore_stock_pool() -> None:
+    """Make vLLM's KV-cache coordinator build its stock pool again."""
+    import vllm.v1.core.block_pool as stock
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+
+    coordinator.BlockPool = stock.BlockPool  # type: ignore[misc]
+
+
+def active_backend() -> str | None:
+    """The backend installed in this process, or None if the plugin has not run."""
+    return _installed

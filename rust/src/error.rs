@@ -1,0 +1,65 @@
+//! Errors of the core. Every failing operation returns one of these *before* it changes
+//! anything, so a caller that gets an error still holds the pool exactly as it was.
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolError {
+    /// A pool must hold the null block plus at least one usable block... or at least one block.
+    InvalidSize { requested: usize, max: usize },
+    /// A block ID outside `0..num_blocks`.
+    OutOfRange { block_id: i64, num_blocks: usize },
+    /// More blocks asked for than are free.
+    NotEnoughFree { requested: usize, free: usize },
+    /// A block released more often than it was referenced.
+    DoubleFree { block_id: u32 },
+    /// An operation that would change the null block.
+    NullBlock { block_id: u32, op: &'static str },
+    /// A referenced block where only a free one is allowed, or the reverse.
+    BadState { block_id: u32, reason: String },
+    /// A reference count that would overflow.
+    RefOverflow { block_id: u32 },
+    /// A pool index that names no pool of a [`crate::PoolSet`].
+    NoSuchPool { pool: usize, num_pools: usize },
+}
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolError::InvalidSize { requested, max } => write!(
+                f,
+                "a pool needs between 1 and {max} blocks, got {requested}"
+            ),
+            PoolError::OutOfRange {
+                block_id,
+                num_blocks,
+            } => write!(
+                f,
+                "block {block_id} is out of range: this pool has blocks 0..{num_blocks}"
+            ),
+            PoolError::NotEnoughFree { requested, free } => write!(
+                f,
+                "cannot get {requested} free blocks from the pool: only {free} are free"
+            ),
+            PoolError::DoubleFree { block_id } => write!(
+                f,
+                "block {block_id} is freed more times than it is referenced (double free)"
+            ),
+            PoolError::NullBlock { block_id, op } => {
+                write!(f, "cannot {op} the null block (block {block_id})")
+            }
+            PoolError::BadState { block_id, reason } => write!(f, "block {block_id}: {reason}"),
+            PoolError::RefOverflow { block_id } => {
+                write!(f, "the reference count of block {block_id} would overflow")
+            }
+            PoolError::NoSuchPool { pool, num_pools } => {
+                write!(
+                    f,
+                    "pool {pool} does not exist: the set has pools 0..{num_pools}"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for PoolError {}
