@@ -15,7 +15,7 @@ use crate::group_pool::{BlockId, FullBlock, GroupPool, NULL_BLOCK_ID};
 use crate::prefix_cache::make_key;
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySlice, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxHashMap;
 
@@ -1050,16 +1050,26 @@ impl BlockTable {
         Ok(self.pool.bind(py).try_borrow()?.core.num_blocks())
     }
 
-    fn __getitem__(&self, py: Python<'_>, index: isize) -> PyResult<Py<Block>> {
+    /// `blocks[i]` (negative indices count from the end) or `blocks[a:b:c]` (a list).
+    fn __getitem__<'py>(&self, py: Python<'py>, index: &Bound<'py, PyAny>) -> PyResult<Py<PyAny>> {
         let pool = self.pool.bind(py);
         let n = pool.try_borrow()?.core.num_blocks() as isize;
+        if let Ok(slice) = index.cast::<PySlice>() {
+            let ind = slice.indices(n)?;
+            let ids: Vec<BlockId> = (0..ind.slicelength)
+                .map(|k| (ind.start + k as isize * ind.step) as BlockId)
+                .collect();
+            let list = pool.try_borrow_mut()?.handles_list(pool, &ids)?;
+            return Ok(list.into_any().unbind());
+        }
+        let index: isize = index.extract()?;
         let i = if index < 0 { index + n } else { index };
         if i < 0 || i >= n {
             return Err(PyIndexError::new_err(format!(
                 "block index {index} out of range for a pool of {n} blocks"
             )));
         }
-        NativeBlockPool::handle(pool, i as BlockId)
+        Ok(NativeBlockPool::handle(pool, i as BlockId)?.into_any())
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -1,0 +1,351 @@
+"""Run one vLLM engine on a fixed, deterministic workload and write the results as JSON.
+
+    python -m hybrid_alloc.demo.engine_run --model DIR --backend rust|vllm --out result.json \
+        [--num-gpu-blocks N] [--prefix-caching | --no-prefix-caching] [...]
+
+The command runs the engine in a child process of itself (``--child``) whose
+``HYBRID_ALLOC_BACKEND`` is set before vLLM is imported, tees the child's output (vLLM's
+log, including the engine-core process's) to stderr and to ``--log`` (default: the output
+path with suffix ``.log``), then adds what the log tells to the child's JSON:
+
+* ``outputs``: generated token IDs per prompt, in workload order (greedy, ``ignore_eos``);
+* ``generate_s`` / ``wave_s``: wall time of ``LLM.generate()`` (all waves / per wave);
+* ``capacity``: ``num_gpu_blocks``, ``kv_cache_size_tokens`` and ``max_concurrency`` as the
+  engine reported them (from the engine core itself, else from its log line);
+* ``metrics``: preemptions, prefix-cache queries and hits, block reuses ("evictions"), from
+  vLLM's Prometheus metrics;
+* ``probe``: the block-pool class the scheduler really built, read in the engine-core
+  process (see :mod:`hybrid_alloc.demo.probe`);
+* ``plugin_log``: every "hybrid_alloc: KV-cache block pool backend is ..." line, with the
+  pid and backend it names.
+
+The workload is ``--waves`` waves; each wave sends ``--num-prefixes`` x
+``--prompts-per-prefix`` prompts. All prompts with the same prefix index share a
+``--prefix-len``-token prefix across waves and differ in a ``--suffix-len``-token suffix,
+so later waves hit the prefix cache unless the blocks were evicted in between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from hybrid_alloc.backend import BACKENDS, ENV_VAR
+
+_PLUGIN_LINE = re.compile(
+    r"hybrid_alloc: KV-cache block pool backend is '(?P<backend>\w+)' .*?pid (?P<pid>\d+)"
+)
+_CAPACITY_LINE = re.compile(
+    r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for "
+    r"(?P<max_len>[\d,]+) tokens per request: (?P<conc>[\d.]+)x"
+)
+_ENGINE_CORE_PREFIX = re.compile(r"\(EngineCore[^)]*pid=(?P<pid>\d+)\)")
+_PROBE_LINE = re.compile(r"hybrid_alloc\.probe (?P<event>\w+) (?P<payload>\{.*\})\s*$")
+PROBE_SCHEDULER = "hybrid_alloc.demo.probe.ProbeScheduler"
+_TOKEN_LOW = 3  # keep clear of pad/bos/eos IDs 0..2
+
+
+# --------------------------------------------------------------------------- workload
+def build_workload(
+    *,
+    seed: int,
+    vocab_size: int,
+    num_prefixes: int,
+    prompts_per_prefix: int,
+    prefix_len: int,
+    suffix_len: int,
+    waves: int,
+) -> list[list[list[int]]]:
+    """Token-ID prompts, one list per wave. Deterministic in all arguments."""
+    rng = random.Random(seed)
+    high = vocab_size - 1
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(_TOKEN_LOW, high) for _ in range(n)]
+
+    prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
+    return [
+        [
+            prefixes[p] + tokens(suffix_len)
+            for p in range(num_prefixes)
+            for _ in range(prompts_per_prefix)
+        ]
+        for _ in range(waves)
+    ]
+
+
+# ------------------------------------------------------------------------ child side
+def _metrics_summary(metrics: list[Any]) -> dict[str, Any]:
+    """Sum the counters and histogram counts we care about (across label sets)."""
+    wanted_counters = {
+        "vllm:num_preemptions": "preemptions",
+        "vllm:prefix_cache_queries": "prefix_cache_queries",
+        "vllm:prefix_cache_hits": "prefix_cache_hits",
+        "vllm:prompt_tokens": "prompt_tokens",
+        "vllm:generation_tokens": "generation_tokens",
+    }
+    wanted_hist = {
+        "vllm:kv_block_idle_before_evict_seconds": "block_reuses",
+        "vllm:request_num_preemptions": "finished_requests",
+    }
+    out: dict[str, Any] = {}
+    for m in metrics:
+        if m.name in wanted_counters:
+            key = wanted_counters[m.name]
+            out[key] = out.get(key, 0) + int(m.value)
+        elif m.name in wanted_hist:
+            key = wanted_hist[m.name]
+            out[key] = out.get(key, 0) + int(m.count)
+    return out
+
+
+def _child_main(args: argparse.Namespace) -> int:
+    # Runs with HYBRID_ALLOC_BACKEND already in the environment (set by the parent).
+    from vllm import LLM, SamplingParams
+
+    waves = build_workload(
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        num_prefixes=args.num_prefixes,
+        prompts_per_prefix=args.prompts_per_prefix,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        waves=args.waves,
+    )
+    engine_kwargs: dict[str, Any] = {
+        "model": str(args.model),
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": args.seed,
+        "enable_prefix_caching": args.prefix_caching,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "disable_log_stats": False,
+        # Every block sampled: the "evict" histogram then counts every block reuse.
+        "kv_cache_metrics": True,
+        "kv_cache_metrics_sample": 1.0,
+        # vLLM's scheduler plus log lines naming the block pool it built.
+        "scheduler_cls": PROBE_SCHEDULER,
+        # Sizes the KV cache directly (and skips the CPU worker's check that a
+        # gpu_memory_utilization fraction of the NUMA node's memory is free).
+        "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+    }
+    if args.num_gpu_blocks is not None:
+        engine_kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
+    if args.max_num_batched_tokens is not None:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.block_size is not None:
+        engine_kwargs["block_size"] = args.block_size
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    startup_s = time.perf_counter() - t0
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    outputs: list[list[int]] = []
+    wave_s: list[float] = []
+    for prompts in waves:
+        t = time.perf_counter()
+        results = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        wave_s.append(time.perf_counter() - t)
+        outputs.extend(list(r.outputs[0].token_ids) for r in results)
+
+    metrics = _metrics_summary(llm.get_metrics())
+    # Refused while any block is still held: True also says that no block leaked.
+    reset_ok = bool(llm.reset_prefix_cache())
+    cache_config = llm.llm_engine.vllm_config.cache_config
+
+    result = {
+        "backend": os.environ.get(ENV_VAR),
+        "pid": os.getpid(),
+        "model": str(args.model),
+        "engine_kwargs": engine_kwargs,
+        "workload": {
+            "seed": args.seed,
+            "waves": args.waves,
+            "num_prefixes": args.num_prefixes,
+            "prompts_per_prefix": args.prompts_per_prefix,
+            "prefix_len": args.prefix_len,
+            "suffix_len": args.suffix_len,
+            "max_tokens": args.max_tokens,
+            "num_prompts": sum(len(w) for w in waves),
+            "prompt_tokens": sum(len(p) for w in waves for p in w),
+        },
+        "startup_s": startup_s,
+        "generate_s": sum(wave_s),
+        "wave_s": wave_s,
+        "generated_tokens": sum(len(o) for o in outputs),
+        "capacity": {"num_gpu_blocks": cache_config.num_gpu_blocks},
+        "metrics": metrics,
+        "reset_prefix_cache_ok": reset_ok,
+        "outputs": outputs,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    # Shut the engine down now, so that its final probe line reaches the log.
+    shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(
+        llm.llm_engine.engine_core, "shutdown", None
+    )
+    if shutdown is not None:
+        shutdown()
+    return 0
+
+
+# ----------------------------------------------------------------------- parent side
+def _tee(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
+    for line in iter(src.readline, b""):
+        for sink in sinks:
+            sink.write(line)
+            sink.flush()
+
+
+def scan_log(text: str) -> dict[str, Any]:
+    """What the engine's log says: plugin lines, capacity line, engine-core pids, errors."""
+    plugin = []
+    for line in text.splitlines():
+        m = _PLUGIN_LINE.search(line)
+        if m:
+            core = _ENGINE_CORE_PREFIX.search(line)
+            plugin.append(
+                {
+                    "backend": m["backend"],
+                    "pid": int(m["pid"]),
+                    "engine_core": core is not None,
+                }
+            )
+    probe: dict[str, Any] = {}
+    for line in text.splitlines():
+        m = _PROBE_LINE.search(line)
+        if m:
+            try:
+                probe[m["event"]] = json.loads(m["payload"])
+            except ValueError:
+                probe[m["event"]] = {"error": "unparsable", "line": line}
+    cap = _CAPACITY_LINE.search(text)
+    return {
+        "probe": probe,
+        "plugin_log": plugin,
+        "engine_core_pids": sorted({int(m["pid"]) for m in _ENGINE_CORE_PREFIX.finditer(text)}),
+        "capacity_log": None
+        if cap is None
+        else {
+            "kv_cache_size_tokens": int(cap["tokens"].replace(",", "")),
+            "max_model_len": int(cap["max_len"].replace(",", "")),
+            "max_concurrency": float(cap["conc"]),
+        },
+        "has_traceback": "Traceback (most recent call last)" in text,
+    }
+
+
+def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = Path(args.log) if args.log else out.with_suffix(".log")
+    if out.exists():
+        out.unlink()
+    env = dict(os.environ)
+    env[ENV_VAR] = args.backend
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", "hybrid_alloc.demo.engine_run", "--child", *argv]
+    t0 = time.perf_counter()
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        assert proc.stdout is not None
+        sinks: list[IO[bytes]] = [log_file]
+        if not args.quiet:
+            sinks.append(sys.stderr.buffer)
+        reader = threading.Thread(target=_tee, args=(proc.stdout, sinks), daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = 124
+        reader.join(timeout=10)
+    wall_s = time.perf_counter() - t0
+    log_text = log_path.read_text(errors="replace")
+    scan = scan_log(log_text)
+    result: dict[str, Any] = {}
+    if out.exists():
+        result = json.loads(out.read_text())
+    result.update(scan)
+    result.update(
+        {"backend": args.backend, "returncode": rc, "wall_s": wall_s, "log": str(log_path)}
+    )
+    cap = result.setdefault("capacity", {})
+    init = scan["probe"].get("init", {})
+    for key in ("num_gpu_blocks", "kv_cache_size_tokens", "max_concurrency", "block_size"):
+        if cap.get(key) is None:
+            cap[key] = init.get(key)
+    if scan["capacity_log"]:
+        for key in ("kv_cache_size_tokens", "max_concurrency"):
+            if cap.get(key) is None:
+                cap[key] = scan["capacity_log"][key]
+    result["block_pool"] = init.get("block_pool")
+    out.write_text(json.dumps(result, indent=1))
+    if rc != 0:
+        print(f"engine_run: child exited with {rc}; log in {log_path}", file=sys.stderr)
+    return rc
+
+
+# ------------------------------------------------------------------------------ CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid_alloc.demo.engine_run",
+        description="Run one vLLM engine on a fixed workload; write JSON results.",
+    )
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--backend", choices=BACKENDS, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--log", type=Path, default=None, help="default: OUT with suffix .log")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-mib", type=int, default=256, help="KV cache memory without --num-gpu-blocks"
+    )
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--waves", type=int, default=2)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--prompts-per-prefix", type=int, default=3)
+    p.add_argument("--prefix-len", type=int, default=640)
+    p.add_argument("--suffix-len", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the child")
+    p.add_argument("--quiet", action="store_true", help="do not echo the engine's log")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.child:
+        if os.environ.get(ENV_VAR, "").strip().lower() != args.backend:
+            os.environ[ENV_VAR] = args.backend  # before vLLM is imported
+        return _child_main(args)
+    return _parent_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

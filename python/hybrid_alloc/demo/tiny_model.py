@@ -1,0 +1,126 @@
+"""Tiny random-weight hybrid models for end-to-end runs (no download needed).
+
+:func:`write_tiny_hybrid_model` builds a Hugging Face config, instantiates the model with
+random weights (seeded), casts it to bfloat16 and saves it (``config.json`` +
+``model.safetensors``). The models are a few MB: small hidden size, small vocabulary,
+head dimension 64, four layers mixing state-space layers with full attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("qwen3_next", "nemotron_h")
+"""Supported families: ``qwen3_next`` (3 Gated-DeltaNet : 1 attention) and ``nemotron_h``
+(Mamba2 : attention hybrid)."""
+
+VOCAB_SIZE = 512
+HEAD_DIM = 64
+
+
+def _qwen3_next_config() -> Any:
+    from transformers import Qwen3NextConfig
+
+    num_layers = 4
+    return Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=HEAD_DIM,
+        linear_value_head_dim=HEAD_DIM,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        # vLLM's Qwen3-Next needs at least one MoE layer: the last one; the rest are dense.
+        mlp_only_layers=list(range(num_layers - 1)),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def _nemotron_h_config() -> Any:
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        # M = Mamba2, * = attention, - = MLP
+        hybrid_override_pattern="M*M-",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        mamba_num_heads=4,
+        mamba_head_dim=HEAD_DIM,
+        ssm_state_size=64,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+_CONFIGS: dict[str, Callable[[], Any]] = {
+    "qwen3_next": _qwen3_next_config,
+    "nemotron_h": _nemotron_h_config,
+}
+
+
+def write_tiny_hybrid_model(
+    path: str | Path, family: str = "qwen3_next", seed: int = 0
+) -> Path:
+    """Write a tiny random-weight hybrid model of ``family`` into directory ``path``.
+
+    Returns the directory. The weights depend only on ``family`` and ``seed``.
+    """
+    if family not in _CONFIGS:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _CONFIGS[family]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # Random init gives near-uniform logits; widen them so greedy picks are stable.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lm_head.weight") or name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, 1.0)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--family", choices=FAMILIES, default="qwen3_next")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(write_tiny_hybrid_model(args.path, args.family, args.seed))
+
+
+if __name__ == "__main__":
+    main()
