@@ -26,7 +26,6 @@ def selected_backend(environ: dict[str, str] | os._Environ[str] | None = None) -
     value = raw.strip().lower()
     if value not in BACKENDS:
         raise ValueError(
-            f"{ENV_VAR}={raw!r} is not a known backend; valid values are: "
-            + ", ".join(BACKENDS)
+            f"{ENV_VAR}={raw!r} is not a known backend; valid values are: " + ", ".join(BACKENDS)
         )
     return value

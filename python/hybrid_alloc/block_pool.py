@@ -191,8 +191,7 @@ class BlockPool(NativeBlockPool):
         kept = [
             i
             for i in range(num_cached_blocks, num_full_blocks)
-            if not blocks[i].is_null
-            and (block_mask is None or block_mask[i - num_cached_blocks])
+            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached_blocks])
         ]
         parent = (
             None

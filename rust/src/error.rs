@@ -39,7 +39,7 @@ impl fmt::Display for PoolError {
             ),
             PoolError::NotEnoughFree { requested, free } => write!(
                 f,
-                "cannot get {requested} free blocks from the pool: only {free} are free"
+                "Cannot get {requested} free blocks from the pool: only {free} are free"
             ),
             PoolError::DoubleFree { block_id } => write!(
                 f,
