@@ -15,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.block_pool import BlockPool as StockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -28,7 +27,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
+from hybrid_alloc import patches
 from hybrid_alloc.block_pool import BlockPool as RustPool
+from hybrid_alloc.plugin import install_rust_pool, restore_stock_pool
 from tests.conftest import normalize_events, rust_snapshot, stock_snapshot
 
 BLOCK = 16
@@ -62,26 +63,31 @@ LAYOUTS: dict[str, list[Any]] = {
 
 @contextmanager
 def pool_class(cls: type) -> Iterator[None]:
-    saved = kv_cache_coordinator.BlockPool
-    kv_cache_coordinator.BlockPool = cls  # type: ignore[misc]
+    """Build managers with ``cls``; ours comes with the plugin's batched prefix lookup."""
+    if cls is RustPool:
+        install_rust_pool()
+    else:
+        restore_stock_pool()
     try:
         yield
     finally:
-        kv_cache_coordinator.BlockPool = saved  # type: ignore[misc]
+        restore_stock_pool()
 
 
-def build_manager(cls: type, layout: str, num_blocks: int, events: bool) -> KVCacheManager:
+def build_manager(
+    cls: type, layout: str, num_blocks: int, events: bool, eagle: bool = False
+) -> KVCacheManager:
     groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(LAYOUTS[layout])]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    with pool_class(cls):
-        mgr = KVCacheManager(
-            config,
-            max_model_len=2048,
-            scheduler_block_size=BLOCK,
-            hash_block_size=BLOCK,
-            enable_caching=True,
-            enable_kv_cache_events=events,
-        )
+    mgr = KVCacheManager(
+        config,
+        max_model_len=2048,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        enable_kv_cache_events=events,
+        use_eagle=eagle,
+    )
     assert type(mgr.block_pool) is cls
     return mgr
 
@@ -103,8 +109,10 @@ def make_requests(seed: int, n: int) -> list[tuple[list[int], int]]:
 class Driver:
     """Runs one manager through a trace and records everything observable."""
 
-    def __init__(self, cls: type, layout: str, num_blocks: int, events: bool) -> None:
-        self.mgr = build_manager(cls, layout, num_blocks, events)
+    def __init__(
+        self, cls: type, layout: str, num_blocks: int, events: bool, eagle: bool = False
+    ) -> None:
+        self.mgr = build_manager(cls, layout, num_blocks, events, eagle)
         self.running: dict[str, Request] = {}
         self.log: list[Any] = []
 
@@ -155,11 +163,20 @@ class Driver:
         return snap, normalize_events(self.mgr.take_events()), self.mgr.usage
 
 
-def run_trace(cls: type, layout: str, seed: int, num_blocks: int, events: bool) -> list[Any]:
+def run_trace(
+    cls: type, layout: str, seed: int, num_blocks: int, events: bool, eagle: bool = False
+) -> list[Any]:
+    with pool_class(cls):
+        return _run_trace(cls, layout, seed, num_blocks, events, eagle)
+
+
+def _run_trace(
+    cls: type, layout: str, seed: int, num_blocks: int, events: bool, eagle: bool
+) -> list[Any]:
     """Admit requests in waves, decode them, preempt the newest when the pool runs dry
     (free + re-admit later), finish them; observe after every wave."""
     rng = random.Random(seed * 7919)
-    d = Driver(cls, layout, num_blocks, events)
+    d = Driver(cls, layout, num_blocks, events, eagle)
     pending = [(f"r{i}", t, m) for i, (t, m) in enumerate(make_requests(seed, 24))]
     remaining: dict[str, int] = {rid: m for rid, _, m in pending}
     prompts = {rid: t for rid, t, _ in pending}
@@ -183,18 +200,20 @@ def run_trace(cls: type, layout: str, seed: int, num_blocks: int, events: bool) 
             if remaining[rid] <= 0:
                 d.finish(rid)
         observations.append(d.observe())
-    d.mgr.block_pool.check_invariants() if isinstance(d.mgr.block_pool, RustPool) else None
+    if isinstance(d.mgr.block_pool, RustPool):
+        d.mgr.block_pool.check_invariants()
+        assert patches.is_applied()
     return [d.log, observations]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@settings(max_examples=6)
-@given(seed=st.integers(0, 10_000), events=st.booleans())
-def test_manager_matches_stock(layout: str, seed: int, events: bool) -> None:
+@settings(max_examples=8)
+@given(seed=st.integers(0, 10_000), events=st.booleans(), eagle=st.booleans())
+def test_manager_matches_stock(layout: str, seed: int, events: bool, eagle: bool) -> None:
     # Few enough blocks that preemption and eviction happen.
     num_blocks = 40 if "mamba" not in layout else 60
-    stock = run_trace(StockPool, layout, seed, num_blocks, events)
-    ours = run_trace(RustPool, layout, seed, num_blocks, events)
+    stock = run_trace(StockPool, layout, seed, num_blocks, events, eagle)
+    ours = run_trace(RustPool, layout, seed, num_blocks, events, eagle)
     assert ours[0] == stock[0]
     assert ours[1] == stock[1]
 

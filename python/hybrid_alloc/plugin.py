@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from hybrid_alloc.backend import ENV_VAR, selected_backend
 
@@ -42,9 +43,11 @@ def install_rust_pool() -> None:
     """Make vLLM's KV-cache coordinator build the Rust pool."""
     import vllm.v1.core.kv_cache_coordinator as coordinator
 
+    from hybrid_alloc import patches
     from hybrid_alloc.block_pool import BlockPool
 
     coordinator.BlockPool = BlockPool  # type: ignore[misc,assignment]
+    patches.apply()
 
 
 def restore_stock_pool() -> None:
@@ -53,6 +56,8 @@ def restore_stock_pool() -> None:
     import vllm.v1.core.kv_cache_coordinator as coordinator
 
     coordinator.BlockPool = stock.BlockPool  # type: ignore[misc]
+    if "hybrid_alloc.patches" in sys.modules:
+        sys.modules["hybrid_alloc.patches"].revert()
 
 
 def active_backend() -> str | None:
