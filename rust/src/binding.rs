@@ -206,10 +206,18 @@ impl NativeBlockPool {
         py: Python<'_>,
         id: BlockId,
     ) -> PyResult<Py<Block>> {
-        let slot = self
-            .handles
-            .get_mut(id as usize)
-            .ok_or_else(|| PyIndexError::new_err(format!("block {id} is out of range")))?;
+        let i = id as usize;
+        if i >= self.core.num_blocks() {
+            return Err(PyIndexError::new_err(format!("block {id} is out of range")));
+        }
+        if i >= self.handles.len() {
+            // Grow geometrically: handles are made as blocks are first handed out.
+            let want = (i + 1)
+                .max(self.handles.len() * 2)
+                .min(self.core.num_blocks());
+            self.handles.resize_with(want, || None);
+        }
+        let slot = &mut self.handles[i];
         if let Some(h) = slot {
             return Ok(h.clone_ref(py));
         }
@@ -440,11 +448,9 @@ impl NativeBlockPool {
             )));
         }
         let core = GroupPool::new(n as usize, enable_caching).map_err(|e| pool_err(&label, e))?;
-        let mut handles = Vec::new();
-        handles.resize_with(n as usize, || None);
         Ok(NativeBlockPool {
             core,
-            handles,
+            handles: Vec::new(),
             hash_block_size: hash_block_size as usize,
             enable_kv_cache_events,
             metrics_collector: None.or(metrics_collector),
@@ -1001,7 +1007,8 @@ impl NativeBlockPool {
             .map_err(|e| PyRuntimeError::new_err(format!("{}: {e}", self.label)))
     }
 
-    /// Bytes of per-block bookkeeping: the core's arrays plus the handle table.
+    /// Bytes of per-block bookkeeping: the core's arrays plus the handle table (which grows
+    /// as blocks are first handed to Python, to 8 bytes per block).
     fn bookkeeping_bytes(&self) -> usize {
         self.core.per_block_heap_bytes()
             + self.handles.capacity() * std::mem::size_of::<Option<Py<Block>>>()

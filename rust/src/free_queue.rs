@@ -13,6 +13,14 @@ const END: u32 = u32::MAX - 1;
 /// The largest number of blocks a queue (and so a pool) can index: two link values are reserved.
 pub const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
 
+/// Links are stored XOR-ed with their value in the initial, ID-ordered queue, so a stored 0
+/// means "the neighbour by ID". A new queue is then two zeroed arrays, which the allocator
+/// hands out without touching them (a 1M-block pool is built in microseconds; pages are
+/// faulted in as blocks are first used).
+/// Links are stored XOR-ed with their value in the initial, ID-ordered queue, so a stored 0
+/// means "the neighbour by ID". A new queue is two zeroed arrays, which the allocator hands
+/// out without writing them: a 1M-block pool is built in microseconds and its pages are
+/// faulted in as blocks are first used.
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
     prev: Vec<u32>,
@@ -33,18 +41,53 @@ impl FreeQueue {
             "free queue capacity {capacity} too large"
         );
         let n = capacity as u32;
-        let prev = (0..n).map(|i| if i == 0 { END } else { i - 1 }).collect();
-        let next = (0..n)
-            .map(|i| if i + 1 == n { END } else { i + 1 })
-            .collect();
         let (head, tail) = if n == 0 { (END, END) } else { (0, n - 1) };
         FreeQueue {
-            prev,
-            next,
+            prev: vec![0; capacity],
+            next: vec![0; capacity],
             head,
             tail,
             len: capacity,
         }
+    }
+
+    /// The initial next link of block `i` (what a stored 0 stands for).
+    #[inline]
+    fn default_next(&self, i: usize) -> u32 {
+        if i + 1 == self.next.len() {
+            END
+        } else {
+            i as u32 + 1
+        }
+    }
+
+    #[inline]
+    fn default_prev(i: usize) -> u32 {
+        if i == 0 {
+            END
+        } else {
+            i as u32 - 1
+        }
+    }
+
+    #[inline]
+    fn get_next(&self, i: usize) -> u32 {
+        self.next[i] ^ self.default_next(i)
+    }
+
+    #[inline]
+    fn get_prev(&self, i: usize) -> u32 {
+        self.prev[i] ^ Self::default_prev(i)
+    }
+
+    #[inline]
+    fn set_next(&mut self, i: usize, v: u32) {
+        self.next[i] = v ^ self.default_next(i);
+    }
+
+    #[inline]
+    fn set_prev(&mut self, i: usize, v: u32) {
+        self.prev[i] = v ^ Self::default_prev(i);
     }
 
     /// Number of blocks in the queue.
@@ -67,9 +110,7 @@ impl FreeQueue {
     /// Whether `id` is in the queue. IDs past the capacity are not.
     #[inline]
     pub fn contains(&self, id: u32) -> bool {
-        self.prev
-            .get(id as usize)
-            .is_some_and(|&link| link != DETACHED)
+        (id as usize) < self.prev.len() && self.get_prev(id as usize) != DETACHED
     }
 
     /// The first block (next to be reused), if any.
@@ -96,15 +137,15 @@ impl FreeQueue {
         for _ in 0..n {
             let i = cur as usize;
             out.push(cur);
-            cur = self.next[i];
-            self.prev[i] = DETACHED;
-            self.next[i] = DETACHED;
+            cur = self.get_next(i);
+            self.set_prev(i, DETACHED);
+            self.set_next(i, DETACHED);
         }
         self.head = cur;
         if cur == END {
             self.tail = END;
         } else {
-            self.prev[cur as usize] = END;
+            self.set_prev(cur as usize, END);
         }
         self.len -= n;
         true
@@ -121,19 +162,19 @@ impl FreeQueue {
 
     fn unlink(&mut self, id: u32) {
         let i = id as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
+        let (p, n) = (self.get_prev(i), self.get_next(i));
         if p == END {
             self.head = n;
         } else {
-            self.next[p as usize] = n;
+            self.set_next(p as usize, n);
         }
         if n == END {
             self.tail = p;
         } else {
-            self.prev[n as usize] = p;
+            self.set_prev(n as usize, p);
         }
-        self.prev[i] = DETACHED;
-        self.next[i] = DETACHED;
+        self.set_prev(i, DETACHED);
+        self.set_next(i, DETACHED);
         self.len -= 1;
     }
 
@@ -141,12 +182,12 @@ impl FreeQueue {
     pub fn push_back(&mut self, id: u32) {
         debug_assert!(!self.contains(id));
         let i = id as usize;
-        self.prev[i] = self.tail;
-        self.next[i] = END;
+        self.set_prev(i, self.tail);
+        self.set_next(i, END);
         if self.tail == END {
             self.head = id;
         } else {
-            self.next[self.tail as usize] = id;
+            self.set_next(self.tail as usize, id);
         }
         self.tail = id;
         self.len += 1;
@@ -156,12 +197,12 @@ impl FreeQueue {
     pub fn push_front(&mut self, id: u32) {
         debug_assert!(!self.contains(id));
         let i = id as usize;
-        self.next[i] = self.head;
-        self.prev[i] = END;
+        self.set_next(i, self.head);
+        self.set_prev(i, END);
         if self.head == END {
             self.tail = id;
         } else {
-            self.prev[self.head as usize] = id;
+            self.set_prev(self.head as usize, id);
         }
         self.head = id;
         self.len += 1;
@@ -184,17 +225,23 @@ impl FreeQueue {
 
     /// The block after `id` in queue order (`None` at the back or if `id` is not queued).
     pub fn next_of(&self, id: u32) -> Option<u32> {
-        match self.next.get(id as usize) {
-            Some(&n) if n != END && n != DETACHED => Some(n),
-            _ => None,
+        if id as usize >= self.next.len() {
+            return None;
+        }
+        match self.get_next(id as usize) {
+            END | DETACHED => None,
+            n => Some(n),
         }
     }
 
     /// The block before `id` in queue order (`None` at the front or if `id` is not queued).
     pub fn prev_of(&self, id: u32) -> Option<u32> {
-        match self.prev.get(id as usize) {
-            Some(&p) if p != END && p != DETACHED => Some(p),
-            _ => None,
+        if id as usize >= self.prev.len() {
+            return None;
+        }
+        match self.get_prev(id as usize) {
+            END | DETACHED => None,
+            p => Some(p),
         }
     }
 
@@ -221,7 +268,7 @@ impl FreeQueue {
             if i >= self.prev.len() {
                 return Err(format!("free queue links to block {cur} past capacity"));
             }
-            if self.prev[i] != prev {
+            if self.get_prev(i) != prev {
                 return Err(format!("free queue back link of block {cur} is broken"));
             }
             count += 1;
@@ -229,7 +276,7 @@ impl FreeQueue {
                 return Err("free queue is longer than its length (cycle?)".into());
             }
             prev = cur;
-            cur = self.next[i];
+            cur = self.get_next(i);
         }
         if prev != self.tail {
             return Err("free queue tail does not match its last block".into());
@@ -240,7 +287,9 @@ impl FreeQueue {
                 self.len
             ));
         }
-        let detached = self.prev.iter().filter(|&&p| p == DETACHED).count();
+        let detached = (0..self.prev.len())
+            .filter(|&i| self.get_prev(i) == DETACHED)
+            .count();
         if detached + count != self.prev.len() {
             return Err("free queue detached count does not add up".into());
         }
@@ -261,7 +310,7 @@ impl Iterator for FreeQueueIter<'_> {
             return None;
         }
         let id = self.cur;
-        self.cur = self.queue.next[id as usize];
+        self.cur = self.queue.get_next(id as usize);
         Some(id)
     }
 }

@@ -106,9 +106,10 @@ pub struct PrefixCache {
     slots: Vec<Option<KeySlot>>,
     free_slots: Vec<u32>,
     table: HashTable<u32>,
-    /// Per block: slot of its primary key, or NONE.
+    /// Per block: slot of its primary key plus one; 0 for none (zeroed memory is a valid
+    /// empty cache, so a new pool needs no initialisation pass).
     primary: Vec<u32>,
-    /// Per block: prefix tokens covered by its primary key, or NONE for "unknown".
+    /// Per block: prefix tokens covered by its primary key plus one; 0 for none/unknown.
     primary_tokens: Vec<u32>,
     /// Extra keys per block, for the few blocks that have them.
     extras: FxHashMap<u32, Vec<u32>>,
@@ -120,8 +121,8 @@ impl PrefixCache {
             slots: Vec::new(),
             free_slots: Vec::new(),
             table: HashTable::new(),
-            primary: vec![NONE; num_blocks],
-            primary_tokens: vec![NONE; num_blocks],
+            primary: vec![0; num_blocks],
+            primary_tokens: vec![0; num_blocks],
             extras: FxHashMap::default(),
         }
     }
@@ -133,6 +134,12 @@ impl PrefixCache {
 
     pub fn is_empty(&self) -> bool {
         self.table.is_empty()
+    }
+
+    /// Slot of the primary key of block `b`, or NONE.
+    #[inline]
+    fn prim(&self, b: usize) -> u32 {
+        self.primary[b].wrapping_sub(1)
     }
 
     fn find_slot(&self, key: &[u8]) -> Option<u32> {
@@ -171,8 +178,8 @@ impl PrefixCache {
 
     /// The primary key of `block`.
     pub fn primary(&self, block: u32) -> Option<&[u8]> {
-        match self.primary.get(block as usize) {
-            Some(&s) if s != NONE => Some(&self.slot(s).key),
+        match self.primary.get(block as usize).map(|s| s.wrapping_sub(1)) {
+            Some(s) if s != NONE => Some(&self.slot(s).key),
             _ => None,
         }
     }
@@ -180,14 +187,18 @@ impl PrefixCache {
     /// Tokens covered by the primary key of `block` (None if it has no primary key or the
     /// count was not given).
     pub fn primary_tokens(&self, block: u32) -> Option<u32> {
-        match self.primary_tokens.get(block as usize) {
-            Some(&t) if t != NONE => Some(t),
+        match self
+            .primary_tokens
+            .get(block as usize)
+            .map(|t| t.wrapping_sub(1))
+        {
+            Some(t) if t != NONE => Some(t),
             _ => None,
         }
     }
 
     pub fn has_primary(&self, block: u32) -> bool {
-        self.primary.get(block as usize).is_some_and(|&s| s != NONE)
+        self.primary.get(block as usize).is_some_and(|&s| s != 0)
     }
 
     /// Whether `block` is reachable from any key.
@@ -250,7 +261,7 @@ impl PrefixCache {
     pub fn insert(&mut self, key: &[u8], block: u32, tokens: Option<u32>) {
         let b = block as usize;
         let (s, fresh) = self.intern(key);
-        if !fresh && (self.primary[b] == s || self.slot(s).holders.contains(block)) {
+        if !fresh && (self.prim(b) == s || self.slot(s).holders.contains(block)) {
             return;
         }
         if let Some(ks) = self.slots[s as usize].as_mut() {
@@ -259,9 +270,9 @@ impl PrefixCache {
                 h => h.push(block),
             }
         }
-        if self.primary[b] == NONE {
-            self.primary[b] = s;
-            self.primary_tokens[b] = tokens.unwrap_or(NONE);
+        if self.prim(b) == NONE {
+            self.primary[b] = s.wrapping_add(1);
+            self.primary_tokens[b] = tokens.unwrap_or(NONE).wrapping_add(1);
         } else {
             self.extras.entry(block).or_default().push(s);
         }
@@ -273,7 +284,7 @@ impl PrefixCache {
     pub fn remove_block(&mut self, block: u32, mut removed: impl FnMut(&[u8])) -> usize {
         let b = block as usize;
         let mut keys: Vec<u32> = Vec::new();
-        if let Some(&s) = self.primary.get(b) {
+        if let Some(s) = self.primary.get(b).map(|s| s.wrapping_sub(1)) {
             if s != NONE {
                 keys.push(s);
             }
@@ -298,8 +309,8 @@ impl PrefixCache {
                 self.release_slot(s);
             }
         }
-        self.primary[b] = NONE;
-        self.primary_tokens[b] = NONE;
+        self.primary[b] = 0;
+        self.primary_tokens[b] = 0;
         count
     }
 
@@ -308,8 +319,8 @@ impl PrefixCache {
         self.slots.clear();
         self.free_slots.clear();
         self.table.clear();
-        self.primary.fill(NONE);
-        self.primary_tokens.fill(NONE);
+        self.primary.fill(0);
+        self.primary_tokens.fill(0);
         self.extras.clear();
     }
 
@@ -359,7 +370,7 @@ impl PrefixCache {
                 return Err(format!("key slot {s} has no holder"));
             }
             for b in holders {
-                let is_primary = self.primary.get(b as usize) == Some(&(s as u32));
+                let is_primary = self.prim(b as usize) == s as u32;
                 let is_extra = self.extras.get(&b).is_some_and(|v| v.contains(&(s as u32)));
                 if is_primary == is_extra {
                     return Err(format!(
@@ -372,11 +383,12 @@ impl PrefixCache {
         if live != self.table.len() {
             return Err("table size differs from live key slots".into());
         }
-        for (b, &s) in self.primary.iter().enumerate() {
+        for b in 0..self.primary.len() {
+            let s = self.prim(b);
             if s != NONE && !self.slot(s).holders.contains(b as u32) {
                 return Err(format!("block {b} has a primary key that does not list it"));
             }
-            if s == NONE && self.primary_tokens[b] != NONE {
+            if s == NONE && self.primary_tokens[b] != 0 {
                 return Err(format!("block {b} has a token count but no primary key"));
             }
             if s == NONE && self.extras.contains_key(&(b as u32)) {
