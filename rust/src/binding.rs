@@ -15,7 +15,7 @@ use crate::group_pool::{BlockId, FullBlock, GroupPool, NULL_BLOCK_ID};
 use crate::prefix_cache::make_key;
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySlice, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxHashMap;
 
@@ -28,31 +28,26 @@ fn pool_err(label: &str, e: PoolError) -> PyErr {
 }
 
 /// A KV-cache block handle, call-compatible with vLLM's `KVCacheBlock`.
+///
+/// `block_id`, `is_null` and `pool` never change, so they are stored as Python objects in
+/// the frozen struct: PyO3 exposes such fields as struct members, which CPython reads as
+/// fast as a `__slots__` attribute (vLLM's managers read `block_id` per block on hot paths).
 #[pyclass(frozen, module = "hybrid_alloc._native", name = "KVCacheBlock")]
 pub struct Block {
     id: BlockId,
+    /// The block's ID, scoped to its pool.
+    #[pyo3(get)]
+    block_id: Py<PyInt>,
+    /// Whether this is the pool's null block (block 0).
+    #[pyo3(get)]
+    is_null: Py<PyBool>,
+    /// The pool that owns this block.
+    #[pyo3(get)]
     pool: Py<NativeBlockPool>,
 }
 
 #[pymethods]
 impl Block {
-    /// The block's ID, scoped to its pool.
-    #[getter]
-    fn block_id(&self) -> BlockId {
-        self.id
-    }
-
-    #[getter]
-    fn is_null(&self) -> bool {
-        self.id == NULL_BLOCK_ID
-    }
-
-    /// The pool that owns this block.
-    #[getter]
-    fn pool(&self, py: Python<'_>) -> Py<NativeBlockPool> {
-        self.pool.clone_ref(py)
-    }
-
     #[getter]
     fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
         Ok(self.pool.bind(py).try_borrow()?.core.ref_cnt(self.id))
@@ -225,6 +220,8 @@ impl NativeBlockPool {
             py,
             Block {
                 id,
+                block_id: id.into_pyobject(py)?.unbind(),
+                is_null: PyBool::new(py, id == NULL_BLOCK_ID).to_owned().unbind(),
                 pool: owner.as_unbound().clone_ref(py),
             },
         )?;
