@@ -3,6 +3,7 @@ vLLM pool and of ours."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,8 @@ class FakeRequest:
 
 def make_request(seed: int, num_hash_blocks: int, hash_block_size: int = 4) -> FakeRequest:
     """A request whose chained hashes share a prefix with every request of the same seed."""
-    hashes = [f"s{seed}-b{i}".encode().ljust(32, b".") for i in range(num_hash_blocks)]
+    # Real-looking 32-byte hashes: vLLM's events may shorten them to their last 8 bytes.
+    hashes = [hashlib.sha256(f"s{seed}-b{i}".encode()).digest() for i in range(num_hash_blocks)]
     tokens = [(seed * 131 + i) % 1000 for i in range(num_hash_blocks * hash_block_size)]
     return FakeRequest(block_hashes=hashes, all_token_ids=tokens)
 

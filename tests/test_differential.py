@@ -4,6 +4,7 @@ contents, lookups, events)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 from vllm.v1.core.block_pool import BlockPool as StockPool
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 
 from hybrid_alloc.block_pool import BlockPool as RustPool
 from tests.conftest import (
@@ -41,6 +44,23 @@ class Held:
     num_cached: int = 0
 
 
+def replay(counts: Counter[tuple[Any, int]], events: list[Any]) -> None:
+    """Apply KV-cache events to a multiset of (external hash, group): each stored hash adds
+    a holder, each removed hash drops one."""
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            counts.clear()
+            continue
+        sign = 1 if isinstance(ev, BlockStored) else -1
+        for h in ev.block_hashes:
+            counts[(h, ev.group_idx)] += sign
+
+
+def external_key(key: bytes) -> tuple[Any, int]:
+    """A cache key as events name it (vLLM may shorten hashes to ints in events)."""
+    return maybe_convert_block_hash(get_block_hash(key)), get_group_id(key)
+
+
 def ids(blocks: Any) -> list[int] | None:
     return None if blocks is None else [b.block_id for b in blocks]
 
@@ -50,6 +70,8 @@ class PoolDifferential(RuleBasedStateMachine):
         super().__init__()
         self.held: list[Held] = []
         self.reuse_log: dict[str, list[int]] = {"stock": [], "ours": []}
+        # Our pool's cache contents rebuilt from its events alone: key -> holder count.
+        self.replayed: Counter[tuple[Any, int]] = Counter()
 
     @initialize(
         num_blocks=st.integers(2, 24),
@@ -225,10 +247,14 @@ class PoolDifferential(RuleBasedStateMachine):
     def same_state(self) -> None:
         if not hasattr(self, "stock"):
             return
-        assert rust_snapshot(self.ours) == stock_snapshot(self.stock)
-        assert normalize_events(self.ours.take_events()) == normalize_events(
-            self.stock.take_events()
-        )
+        snapshot = rust_snapshot(self.ours)
+        assert snapshot == stock_snapshot(self.stock)
+        events = self.ours.take_events()
+        assert normalize_events(events) == normalize_events(self.stock.take_events())
+        if self.ours.enable_kv_cache_events:
+            replay(self.replayed, events)
+            holders = {external_key(key): len(ids) for key, ids in snapshot["cache"].items()}
+            assert +self.replayed == Counter(holders), "events do not rebuild the cache"
         assert self.reuse_log["ours"] == self.reuse_log["stock"]
         self.ours.check_invariants()
 

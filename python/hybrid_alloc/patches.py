@@ -1,10 +1,12 @@
-"""Batched prefix lookup for vLLM's full-attention manager.
+"""Batched replacements for two per-block loops in vLLM's KV-cache managers.
 
-vLLM's ``FullAttentionManager.find_longest_cache_hit`` asks the pool for one block hash at a
-time. With the Rust pool, the plain case (no context parallelism, no fine-grained partial
-hits) becomes one call per request: ``get_cached_prefix`` walks the hashes in Rust and
-stops at the first miss. The rounding that follows (EAGLE's dropped block, alignment) is
-the same arithmetic vLLM applies. Every other case goes to vLLM's own method unchanged.
+* ``FullAttentionManager.find_longest_cache_hit`` asks the pool for one block hash at a
+  time. With the Rust pool, the plain case (no context parallelism, no fine-grained partial
+  hits) becomes one call per request: ``get_cached_prefix`` walks the hashes in Rust and
+  stops at the first miss. The rounding that follows (EAGLE's dropped block, alignment) is
+  the same arithmetic vLLM applies. Every other case goes to vLLM's own method unchanged.
+* ``SingleTypeKVCacheManager._get_num_evictable_blocks`` reads ``ref_cnt`` and ``is_null``
+  of every prefix-hit block on each admission; with the Rust pool the count is one call.
 """
 
 from __future__ import annotations
@@ -12,12 +14,25 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+)
 
 from hybrid_alloc.block_pool import BlockPool
 
 _ATTR = "find_longest_cache_hit"
 _stock_method: Any = None
+_EVICTABLE = "_get_num_evictable_blocks"
+_stock_evictable: Any = None
+
+
+def _batched_num_evictable_blocks(cls: Any, blocks: Any) -> int:
+    if blocks:
+        pool = getattr(blocks[0], "pool", None)
+        if isinstance(pool, BlockPool):
+            return pool.count_evictable(blocks)  # type: ignore[no-any-return]
+    return _stock_evictable.__func__(cls, blocks)  # type: ignore[no-any-return]
 
 
 def _batched_find_longest_cache_hit(
@@ -71,17 +86,20 @@ def _batched_find_longest_cache_hit(
 
 
 def apply() -> None:
-    """Install the batched lookup (idempotent)."""
-    global _stock_method
+    """Install the batched versions (idempotent)."""
+    global _stock_method, _stock_evictable
     if _stock_method is None:
         _stock_method = FullAttentionManager.__dict__[_ATTR]
+        _stock_evictable = SingleTypeKVCacheManager.__dict__[_EVICTABLE]
     setattr(FullAttentionManager, _ATTR, classmethod(_batched_find_longest_cache_hit))
+    setattr(SingleTypeKVCacheManager, _EVICTABLE, classmethod(_batched_num_evictable_blocks))
 
 
 def revert() -> None:
-    """Put vLLM's own lookup back."""
+    """Put vLLM's own methods back."""
     if _stock_method is not None:
         setattr(FullAttentionManager, _ATTR, _stock_method)
+        setattr(SingleTypeKVCacheManager, _EVICTABLE, _stock_evictable)
 
 
 def is_applied() -> bool:

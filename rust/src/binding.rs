@@ -57,11 +57,11 @@ impl Block {
     /// the pool's count. Only held, non-null blocks may be set, to one or more.
     #[setter]
     fn set_ref_cnt(&self, py: Python<'_>, value: i64) -> PyResult<()> {
-        let mut pool = self.pool.bind(py).try_borrow_mut()?;
-        let label = pool.label.clone();
+        let mut guard = self.pool.bind(py).try_borrow_mut()?;
+        let pool = &mut *guard;
         pool.core
             .set_ref_cnt(self.id, value)
-            .map_err(|e| pool_err(&label, e))
+            .map_err(|e| pool_err(&pool.label, e))
     }
 
     /// The primary prefix-cache key (`BlockHashWithGroupId` bytes), or None.
@@ -98,15 +98,17 @@ impl Block {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let pool = self.pool.bind(py).try_borrow()?;
         let hash = match pool.core.block_hash(self.id) {
-            Some(k) => format!("{:02x?}", k),
+            Some(k) => PyBytes::new(py, k).repr()?.to_string(),
+            None => "None".into(),
+        };
+        let tokens = match pool.core.block_hash_num_tokens(self.id) {
+            Some(t) => t.to_string(),
             None => "None".into(),
         };
         Ok(format!(
-            "KVCacheBlock(block_id={}, ref_cnt={}, block_hash={}, block_hash_num_tokens={:?}, pool={:?})",
+            "KVCacheBlock(block_id={}, ref_cnt={}, block_hash={hash}, block_hash_num_tokens={tokens}, pool={:?})",
             self.id,
             pool.core.ref_cnt(self.id),
-            hash,
-            pool.core.block_hash_num_tokens(self.id),
             pool.label
         ))
     }
@@ -930,10 +932,41 @@ impl NativeBlockPool {
                 ids.push(this.core.check_id(raw).map_err(|e| this.err(e))?);
             }
         }
-        for id in ids {
-            Self::evict_one(slf, id)?;
+        if slf.try_borrow()?.metrics_collector.is_some() {
+            // vLLM tells the metrics collector before each eviction: go block by block.
+            for id in ids {
+                Self::evict_one(slf, id)?;
+            }
+            return Ok(());
         }
-        Ok(())
+        let mut keys = Vec::new();
+        {
+            let mut guard = slf.try_borrow_mut()?;
+            let this = &mut *guard;
+            let events = this.removed_sink.is_some();
+            for id in ids {
+                this.core
+                    .evict(id, |_, k| {
+                        if events {
+                            keys.push(k.to_vec())
+                        }
+                    })
+                    .map_err(|e| pool_err(&this.label, e))?;
+            }
+        }
+        Self::emit_removed(slf, keys)
+    }
+
+    /// How many of `blocks` are free but cached (count 0, not the null block): blocks a
+    /// prefix hit would take out of the free queue. vLLM's managers compute this per block
+    /// in Python on every admission; this is the same count in one call.
+    fn count_evictable(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let this = slf.try_borrow()?;
+        let ids = this.own_ids(slf, blocks, "count_evictable")?;
+        Ok(ids
+            .into_iter()
+            .filter(|&id| id != NULL_BLOCK_ID && this.core.ref_cnt(id) == 0)
+            .count())
     }
 
     /// Clear the prefix cache if no block is in use; tell every reuse watcher. Returns

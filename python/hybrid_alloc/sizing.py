@@ -1,0 +1,329 @@
+"""Per-group KV-cache sizing: the config vLLM's engine core builds at startup.
+
+vLLM 0.32 (``get_kv_cache_configs``, v1/core/kv_cache_utils.py:2531) unifies every page
+to one size, gives all groups one ``num_blocks`` and lays every group over the same
+bytes. For a hybrid model (attention + Mamba/GDN) this module builds instead:
+
+* one group per distinct layer spec (no equal-size split: groups need not share a pool);
+* one pool per group, at the group's natural page size (no padding);
+* Mamba groups outside 'all' mode get a fixed pool: ``max_num_seqs`` requests times the
+  blocks vLLM says one request needs (``1 + num_speculative_blocks`` in 'none' mode,
+  more in 'align'), plus the null block ('align' pools get room for as many cached states
+  again, see `ALIGN_CACHE_FACTOR`);
+* the memory left goes to the groups that grow with the sequence, split in proportion to
+  what one ``max_model_len`` request needs in each;
+* every group gets its own region of the one backing allocation vLLM's worker makes, and
+  its tensors are viewed with its own pool's block count.
+
+Anything this does not cover falls back to vLLM's sizing (and thus to one shared pool),
+with the reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm.utils.math_utils import cdiv, round_up
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+    compute_layout_strides,
+)
+
+from hybrid_alloc.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.pool_set import PoolLayout
+
+logger = logging.getLogger("vllm.hybrid_alloc")
+
+ALIGN_CACHE_FACTOR = 2
+"""An 'align'-mode Mamba pool holds this many times what the running requests need: the
+rest keeps cached states for prefix hits (a policy choice; 'none' mode caches nothing)."""
+
+REGION_ALIGNMENT = 4096
+"""Byte alignment of each group's region in the backing allocation (dtype views of a
+region must start on an aligned address)."""
+
+_stock_get_kv_cache_configs = kv_cache_utils.get_kv_cache_configs
+_stock_get_max_concurrency = kv_cache_utils.get_max_concurrency_for_kv_cache_config
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group's needs, in its own pool's blocks."""
+
+    group: KVCacheGroupSpec
+    grows: bool
+    blocks_per_request: int
+    """Blocks one request needs at ``max_model_len`` (vLLM's own per-request figure)."""
+    bytes_per_block: int
+    """Bytes one block costs over all the group's layers (each page rounded to its
+    stride alignment)."""
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        return self.group.kv_cache_spec
+
+
+def unsupported_reason(
+    vllm_config: Any, kv_cache_specs: Sequence[dict[str, KVCacheSpec]]
+) -> str | None:
+    """Why per-group pools cannot serve this engine (None if they can)."""
+    if not kv_cache_specs or any(specs != kv_cache_specs[0] for specs in kv_cache_specs):
+        return "workers hold different layers (pipeline parallelism)"
+    specs = list(kv_cache_specs[0].values())
+    mamba = [s for s in specs if isinstance(s, MambaSpec)]
+    other = [s for s in specs if not isinstance(s, MambaSpec)]
+    if not mamba or not other:
+        return "not a hybrid of Mamba/GDN and attention layers"
+    if any(s.mamba_cache_mode == "all" for s in mamba):
+        return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
+    if not all(isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in other):
+        return "attention layers other than full or sliding-window attention"
+    if vllm_config.kv_transfer_config is not None:
+        return "KV connectors address blocks by IDs unique across groups"
+    if vllm_config.attention_config.hisparse_config is not None:
+        return "HiSparse host pools"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding (draft groups) is not handled yet"
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        return "context parallelism"
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        return "the hybrid KV-cache manager is disabled"
+    if vllm_config.model_config.original_max_model_len == -1:
+        return "max_model_len auto-fit"
+    return None
+
+
+def build_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """One group per distinct spec, in layer order. Mamba pages lose any padding: each
+    group has its own pool and region, so no page needs to match another group's."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_spec.items():
+        if isinstance(spec, MambaSpec) and spec.page_size_padded is not None:
+            spec = replace(spec, page_size_padded=None)
+        by_spec.setdefault(spec, []).append(name)
+    return [KVCacheGroupSpec(names, spec) for spec, names in by_spec.items()]
+
+
+def plan_groups(vllm_config: Any, groups: list[KVCacheGroupSpec]) -> list[GroupPlan]:
+    plans = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        stride = round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
+        plans.append(
+            GroupPlan(
+                group=group,
+                grows=not isinstance(spec, MambaSpec),
+                blocks_per_request=cdiv(
+                    spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes
+                ),
+                bytes_per_block=stride * len(group.layer_names),
+            )
+        )
+    return plans
+
+
+def fixed_pool_blocks(vllm_config: Any, plan: GroupPlan) -> int:
+    """Blocks of a pool that does not grow, null block included."""
+    spec = plan.spec
+    assert isinstance(spec, MambaSpec)
+    live = vllm_config.scheduler_config.max_num_seqs * plan.blocks_per_request
+    factor = ALIGN_CACHE_FACTOR if spec.mamba_cache_mode == "align" else 1
+    return live * factor + 1
+
+
+def plan_pool_sizes(vllm_config: Any, plans: list[GroupPlan], available_memory: int) -> list[int]:
+    """Blocks per group's pool (null block included): fixed pools first, the rest of
+    ``available_memory`` to the growing ones in proportion to one max-length request."""
+    sizes = [0] * len(plans)
+    budget = available_memory - REGION_ALIGNMENT * len(plans)  # region padding
+    for i, plan in enumerate(plans):
+        if not plan.grows:
+            sizes[i] = fixed_pool_blocks(vllm_config, plan)
+            budget -= sizes[i] * plan.bytes_per_block
+    growing = [i for i, plan in enumerate(plans) if plan.grows]
+    if budget <= 0:
+        raise ValueError(
+            f"per-group KV-cache pools: {available_memory} bytes of KV-cache memory do not "
+            "hold the Mamba/GDN state of max_num_seqs requests; lower max_num_seqs or give "
+            "the KV cache more memory"
+        )
+    weights = [plans[i].blocks_per_request * plans[i].bytes_per_block for i in growing]
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    for i, weight in zip(growing, weights, strict=True):
+        plan = plans[i]
+        if override is not None:
+            # The override counts the primary (first growing) pool's blocks; other
+            # growing pools keep their proportion to it.
+            first = plans[growing[0]]
+            sizes[i] = max(1, override * plan.blocks_per_request // first.blocks_per_request)
+        else:
+            sizes[i] = budget * weight // sum(weights) // plan.bytes_per_block
+        if sizes[i] - 1 < plan.blocks_per_request:
+            max_model_len = vllm_config.model_config.max_model_len
+            raise ValueError(
+                f"per-group KV-cache pools: group of {plan.group.layer_names[:3]}... gets "
+                f"{sizes[i] - 1} usable blocks, fewer than one {max_model_len}-token "
+                f"request needs ({plan.blocks_per_request}); lower max_model_len or "
+                "give the KV cache more memory"
+            )
+    return sizes
+
+
+def build_config(vllm_config: Any, plans: list[GroupPlan], sizes: list[int]) -> KVCacheConfig:
+    """Tensors for every group, each in its own region of one backing allocation."""
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    tensors: list[KVCacheTensor] = []
+    offset = 0
+    regions: list[tuple[int, int, int]] = []  # (offset, layer_stride, block_stride)
+    for plan, num_blocks in zip(plans, sizes, strict=True):
+        spec = plan.spec
+        num_layers = len(plan.group.layer_names)
+        stride = round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
+        fixed_block_stride = stride if stride != spec.page_size_bytes else None
+        layer_stride, block_stride, _, _, _ = compute_layout_strides(
+            spec,
+            num_blocks,
+            num_layers,
+            layout,
+            fixed_strides=(None, fixed_block_stride, None, None, None),
+        )
+        offset = round_up(offset, REGION_ALIGNMENT)
+        regions.append((offset, layer_stride, block_stride))
+        offset += max(num_layers * layer_stride, num_blocks * block_stride)
+    total = round_up(offset, REGION_ALIGNMENT)
+    for plan, (start, layer_stride, block_stride) in zip(plans, regions, strict=True):
+        tensors.append(
+            KVCacheTensor(
+                size=total,
+                layers=list(plan.group.layer_names),
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+                offset=start,
+            )
+        )
+    pools = tuple(
+        PoolLayout(
+            group_ids=(gid,),
+            num_blocks=n,
+            grows=plan.grows,
+            label=f"group{gid}:{type(plan.spec).__name__}",
+        )
+        for gid, (plan, n) in enumerate(zip(plans, sizes, strict=True))
+    )
+    primary = next((p for p in pools if p.grows), pools[0])
+    groups = [plan.group for plan in plans]
+    config = PerGroupKVCacheConfig(
+        num_blocks=primary.num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=(vllm_config.cache_config.prefix_cache_retention_interval),
+        pool_layouts=pools,
+    )
+    config.kv_tp_replicas = kv_cache_utils.kv_cache_groups_tp_replicas(
+        groups,
+        vllm_config.parallel_config.tensor_parallel_size,
+        vllm_config.parallel_config.decode_context_parallel_size,
+    )
+    return config
+
+
+def _partial_hits_would_be_on(vllm_config: Any, groups: list[KVCacheGroupSpec]) -> bool:
+    """vLLM enables sub-block prefix hits (copy-on-write Mamba blocks) when an 'align'
+    Mamba block is larger than the hash block; those copies are applied by bare ID."""
+    cache_config = vllm_config.cache_config
+    if not cache_config.enable_prefix_caching:
+        return False
+    sizes = [g.kv_cache_spec.block_size for g in groups]
+    hash_block_size = cache_config.prefix_match_unit or math.gcd(*sizes)
+    return kv_cache_utils.partial_hash_hits_enabled(groups, hash_block_size)
+
+
+def describe(plans: list[GroupPlan], sizes: list[int]) -> str:
+    parts = []
+    for gid, (plan, n) in enumerate(zip(plans, sizes, strict=True)):
+        spec = plan.spec
+        kind = type(spec).__name__
+        if isinstance(spec, MambaSpec):
+            kind += f"({spec.mamba_cache_mode})"
+        parts.append(
+            f"group {gid} {kind} x{len(plan.group.layer_names)} layers, page "
+            f"{spec.page_size_bytes} B, block {spec.block_size} tokens: {n} blocks "
+            f"({'grows' if plan.grows else 'fixed'})"
+        )
+    return "; ".join(parts)
+
+
+def get_kv_cache_configs(
+    vllm_config: Any,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: list[int],
+) -> list[KVCacheConfig]:
+    """vLLM's ``get_kv_cache_configs`` with per-group pools for hybrid models."""
+    reason = unsupported_reason(vllm_config, kv_cache_specs)
+    groups: list[KVCacheGroupSpec] = []
+    if reason is None:
+        groups = build_groups(dict(kv_cache_specs[0]))
+        if _partial_hits_would_be_on(vllm_config, groups):
+            reason = "an 'align' Mamba block larger than the hash block (sub-block hits)"
+    if reason is not None:
+        logger.info("hybrid_alloc: per-group KV-cache pools not used: %s", reason)
+        return _stock_get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
+    plans = plan_groups(vllm_config, groups)
+    sizes = plan_pool_sizes(vllm_config, plans, min(available_memory))
+    logger.info("hybrid_alloc: per-group KV-cache pools: %s", describe(plans, sizes))
+    # Tensor-parallel workers hold the same layers: one plan serves all of them.
+    return [build_config(vllm_config, plans, sizes) for _ in kv_cache_specs]
+
+
+def get_max_concurrency_for_kv_cache_config(
+    vllm_config: Any, kv_cache_config: KVCacheConfig
+) -> float:
+    """Requests of ``max_model_len`` tokens the KV cache holds at once. With per-group
+    pools only the pools that grow with the sequence count (the fixed pools are sized to
+    ``max_num_seqs``); vLLM's convention of counting every block, null included, is kept."""
+    if not isinstance(kv_cache_config, PerGroupKVCacheConfig):
+        return float(_stock_get_max_concurrency(vllm_config, kv_cache_config))
+    limits = []
+    for layout in kv_cache_config.pool_layouts:
+        if not layout.grows:
+            continue
+        per_request = sum(
+            cdiv(
+                spec.max_memory_usage_bytes(vllm_config),
+                spec.page_size_bytes,
+            )
+            for spec in (kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in layout.group_ids)
+        )
+        limits.append(layout.num_blocks / per_request)
+    return min(limits) if limits else float("inf")
+
+
+def install() -> None:
+    """Route vLLM's engine-core sizing and capacity report through this module
+    (idempotent). ``vllm.v1.engine.core`` imported the sizing function by name, so that
+    name is replaced there; the capacity helper is looked up in its own module."""
+    from vllm.v1.engine import core
+
+    core.get_kv_cache_configs = get_kv_cache_configs  # type: ignore[assignment]
+    kv_cache_utils.get_max_concurrency_for_kv_cache_config = (  # type: ignore[assignment]
+        get_max_concurrency_for_kv_cache_config
+    )
+
+
+def uninstall() -> None:
+    from vllm.v1.engine import core
+
+    core.get_kv_cache_configs = _stock_get_kv_cache_configs  # type: ignore[assignment]
+    kv_cache_utils.get_max_concurrency_for_kv_cache_config = _stock_get_max_concurrency  # type: ignore[assignment]
