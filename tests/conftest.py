@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,13 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.load_profile(os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def budget(examples: int) -> int:
+    """Examples for a test in this profile: the long profile runs 20 times as many."""
+    return examples * (20 if PROFILE == "long" else 1)
 
 
 @dataclass
@@ -101,3 +108,18 @@ def normalize_events(events: list[Any]) -> list[Any]:
         out.append((name, fields))
     out.extend(sorted(run))
     return out
+
+
+# Steps executed by each state machine in this run (reported at the end of the session).
+MACHINE_STEPS: Counter[str] = Counter()
+
+
+def count_step(machine: str) -> None:
+    MACHINE_STEPS[machine] += 1
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if MACHINE_STEPS:
+        total = sum(MACHINE_STEPS.values())
+        parts = ", ".join(f"{name}: {n}" for name, n in sorted(MACHINE_STEPS.items()))
+        terminalreporter.write_line(f"state-machine steps: {total} ({parts})")

@@ -25,6 +25,8 @@ from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_conv
 from hybrid_alloc.block_pool import BlockPool as RustPool
 from tests.conftest import (
     FakeRequest,
+    budget,
+    count_step,
     make_request,
     normalize_events,
     rust_snapshot,
@@ -247,6 +249,7 @@ class PoolDifferential(RuleBasedStateMachine):
     def same_state(self) -> None:
         if not hasattr(self, "stock"):
             return
+        count_step("pool")
         snapshot = rust_snapshot(self.ours)
         assert snapshot == stock_snapshot(self.stock)
         events = self.ours.take_events()
@@ -259,7 +262,7 @@ class PoolDifferential(RuleBasedStateMachine):
         self.ours.check_invariants()
 
 
-PoolDifferential.TestCase.settings = settings(max_examples=150, stateful_step_count=40)
+PoolDifferential.TestCase.settings = settings(max_examples=budget(150), stateful_step_count=50)
 test_pool_differential = PoolDifferential.TestCase
 
 
