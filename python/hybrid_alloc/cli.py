@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import TextIO
 
 from hybrid_alloc.backend import selected_backend
+from hybrid_alloc.model_specs import model_from_config
 from hybrid_alloc.planner import (
+    ALIGN_CACHE_FACTOR,
     MAMBA_CACHE_MODES,
     Layout,
     Plan,
@@ -25,7 +27,6 @@ from hybrid_alloc.planner import (
     plan,
     shipped_configs,
 )
-from hybrid_alloc.model_specs import model_from_config
 
 _UNITS = {
     "": 1,
@@ -83,9 +84,12 @@ def _group_table(layout: Layout, out: TextIO) -> None:
         )
         for r in layout.rows
     ]
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
     for line in (header, *rows):
-        cells = [c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        cells = [
+            c.ljust(w) if i == 1 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
         print("  " + "  ".join(cells), file=out)
 
 
@@ -141,7 +145,7 @@ def report(p: Plan, out: TextIO | None = None) -> None:
     ratios.append(f"ours / stock {_ratio(ours.tokens, stock.tokens)}")
     ratios.append(f"ours / {seqs} {_ratio(ours.tokens, stock.tokens_at_max_num_seqs)}")
     print("  " + ", ".join(ratios), file=out)
-    if stock.concurrency < prm.max_num_seqs:
+    if stock.concurrency < prm.max_num_seqs and any(not r.grows for r in ours.rows):
         print(
             f"  note: vLLM's figure assumes {stock.concurrency:.1f} requests at max_model_len, "
             f"so it holds Mamba state for them only; ours and the physical limit reserve "
@@ -185,7 +189,7 @@ def plot_plans(plans: Sequence[tuple[str, Plan]], path: str | Path, title: str) 
         bars = ax.barh(labels, values, color=[color for _, _, color in series][::-1])
         ax.bar_label(bars, labels=[f"{v:,}" for v in values], padding=3, fontsize=8)
         ax.set_xlabel("KV token capacity")
-        ax.set_xlim(0, max(values + [1]) * 1.25)
+        ax.set_xlim(0, max([*values, 1]) * 1.25)
         ax.grid(axis="x", alpha=0.3)
     else:
         width = 0.2
@@ -226,7 +230,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             mamba_block_size=args.mamba_block_size,
-            prefix_state_reserve=args.prefix_state_reserve,
+            align_cache_factor=args.align_cache_factor,
         )
     except (OSError, ValueError) as exc:
         print(f"hybrid-alloc plan: {exc}", file=sys.stderr)
@@ -317,10 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per cached Mamba state in 'all' mode (default: stock's block)",
     )
     p.add_argument(
-        "--prefix-state-reserve",
-        type=_non_negative,
-        default=0,
-        help="extra 'align' Mamba blocks kept for prefix-cache retention",
+        "--align-cache-factor",
+        type=_positive,
+        default=ALIGN_CACHE_FACTOR,
+        help="'align' Mamba pools hold this many times the live states "
+        f"(default {ALIGN_CACHE_FACTOR}, as the engine; 1 = no room for cached states)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw stock vs ours vs physical capacity")
     p.set_defaults(func=_cmd_plan)

@@ -226,13 +226,14 @@ def _qwen_layers(text: Mapping[str, Any], dt: DTypes) -> tuple[LayerSpec, ...]:
         conv_grows_with_spec=True,
     )
     by_type: dict[str, LayerSpec] = {"linear_attention": gdn}
-    for name, kind in (
+    attention_types: tuple[tuple[str, AttentionKind], ...] = (
         ("full_attention", "full"),
         ("sliding_attention", "sliding"),
         ("chunked_attention", "chunked"),
-    ):
+    )
+    for name, kind in attention_types:
         if name in types:
-            by_type[name] = _attention(text, dt, kind)  # type: ignore[arg-type]
+            by_type[name] = _attention(text, dt, kind)
     return tuple(by_type[t] for t in types)
 
 

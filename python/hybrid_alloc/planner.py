@@ -8,10 +8,12 @@ sizes three layouts and reports token capacity and maximum concurrency for each:
   to it; every KV-cache group then aliases one ``num_blocks`` of ``bytes_per_block`` (the
   largest group's bytes); capacity is ``get_max_concurrency_for_kv_cache_config`` (blocks over
   the per-request blocks of *every* group) times ``max_model_len``.
-* **ours** - one pool per KV-cache group at its natural page size, no unification or padding.
-  Pools whose per-request need is bounded are sized first for ``max_num_seqs`` requests; the
-  memory left goes to the groups that grow with sequence length, split so that they all reach
-  the same token count. Capacity counts only the growing groups.
+* **ours** - what :mod:`hybrid_alloc.sizing` builds at engine start: one KV-cache group per
+  distinct layer spec (no equal-size split, so one null block per spec), one pool per group
+  at its natural page size, no unification or padding, each pool in its own 4 KiB-aligned
+  region. Pools whose per-request need is bounded are sized first for ``max_num_seqs``
+  requests; the memory left goes to the groups that grow with sequence length, split so that
+  they all reach the same token count. Capacity counts only the growing groups.
 * **physical** - the limit no allocator can beat: KV bytes minus the bounded per-request state
   of ``max_num_seqs`` requests, over the bytes one token costs in the growing layers.
 
@@ -24,14 +26,14 @@ Sizing rules for ours (the decisions, and why):
 * ``'align'`` (prefix caching): a running request holds the state of the previous step (the
   copy source), the running state, the speculative scratch states and, for vLLM's Mamba2 mixer,
   one prefill checkpoint block: ``2 + spec + checkpoint`` blocks, exactly what vLLM's own
-  ``MambaSpec.max_memory_usage_bytes`` reserves per request in align mode. The pool is
-  ``max_num_seqs`` times that, plus the null block, plus ``prefix_state_reserve`` extra blocks.
-  States freed by finished requests stay cached in free blocks until reused, so with fewer than
-  ``max_num_seqs`` requests running the slack keeps prefix states; under full load a compact
-  pool keeps almost none, which is why the reserve exists (default 0: capacity first). A
-  partial prefix hit needs one copy-on-write block for one step; if the pool is momentarily
-  full that request waits a step, it cannot deadlock, because running requests keep their
-  count constant and finishing ones return theirs.
+  ``MambaSpec.max_memory_usage_bytes`` reserves per request in align mode. That is the
+  admission minimum (and what the physical limit counts). States of finished requests stay
+  cached in free blocks until reused, but under full load a pool of exactly that size keeps
+  almost none, so the pool is ``align_cache_factor`` times it, plus the null block; the
+  factor defaults to :mod:`hybrid_alloc.sizing`'s ``ALIGN_CACHE_FACTOR`` (2: as many cached
+  states as live ones). Factor 1 is capacity first. A partial prefix hit needs one
+  copy-on-write block for one step; if none is free the request waits a step. It cannot
+  deadlock: running requests keep their count constant and finishing ones return theirs.
 * ``'all'``: every ``mamba_block_size`` tokens leave a cached state, so Mamba grows with the
   sequence and shares the leftover memory with attention. ``mamba_block_size`` defaults to the
   block size stock vLLM would use, so both layouts checkpoint at the same interval. (vLLM 0.32
@@ -46,6 +48,8 @@ Sizing rules for ours (the decisions, and why):
 
 Stock numbers assume a CUDA attention backend whose smallest kernel block is 16 tokens
 (FlashAttention, FlashInfer, Triton), tensor parallel size 1, no KV-cache offload or HiSparse.
+Ours counts usable blocks (null block excluded); the engine's log line, like vLLM's, counts
+the null block too, so it reads one block higher.
 """
 
 from __future__ import annotations
@@ -72,6 +76,10 @@ MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "align", "all")
 # Smallest kernel block of vLLM's CUDA attention backends (MultipleOf(16)); the hybrid block
 # size is a multiple of it.
 KERNEL_BLOCK_SIZE = 16
+# Mirrors of hybrid_alloc.sizing (which imports vLLM, so it cannot be imported here);
+# tests/test_planner.py checks they agree.
+ALIGN_CACHE_FACTOR = 2
+REGION_ALIGNMENT = 4096
 
 
 def cdiv(a: int, b: int) -> int:
@@ -135,6 +143,15 @@ class KVGroup:
         return self.spec.kind
 
 
+def spec_groups(model: ModelSpec) -> list[KVGroup]:
+    """One group per distinct layer spec, in layer order (ours: groups need not match in
+    size, because they do not share a pool)."""
+    counts: dict[LayerSpec, int] = {}
+    for layer in model.layers:
+        counts[layer] = counts.get(layer, 0) + 1
+    return [KVGroup(spec, n) for spec, n in counts.items()]
+
+
 def kv_cache_groups(model: ModelSpec) -> list[KVGroup]:
     """Group layers as vLLM's ``_get_kv_cache_groups_uniform_page_size`` does.
 
@@ -142,18 +159,18 @@ def kv_cache_groups(model: ModelSpec) -> list[KVGroup]:
     where ``group_size`` is the smallest bucket (or the largest, when the largest is under 1.5x
     the smallest, to avoid padding layers). The last group of a bucket may be short.
     """
-    buckets: dict[LayerSpec, int] = {}
-    for layer in model.layers:
-        buckets[layer] = buckets.get(layer, 0) + 1
+    buckets = spec_groups(model)
     if not buckets:
         return []
-    smallest, largest = min(buckets.values()), max(buckets.values())
+    smallest = min(b.num_layers for b in buckets)
+    largest = max(b.num_layers for b in buckets)
     group_size = largest if largest < smallest * 1.5 else smallest
     groups: list[KVGroup] = []
-    for spec, count in buckets.items():
+    for bucket in buckets:
+        count = bucket.num_layers
         n = cdiv(count, group_size)
         # vLLM deals layers round-robin (layers[i::n]), so group sizes differ by at most one.
-        groups.extend(KVGroup(spec, len(range(i, count, n))) for i in range(n))
+        groups.extend(KVGroup(bucket.spec, len(range(i, count, n))) for i in range(n))
     return groups
 
 
@@ -238,14 +255,15 @@ class PlanParams:
     max_model_len: int
     max_num_batched_tokens: int
     mamba_block_size: int  # tokens per cached state in 'all' mode (ours)
-    prefix_state_reserve: int
+    align_cache_factor: int
 
 
 @dataclass(frozen=True)
 class Plan:
     model: ModelSpec
     params: PlanParams
-    groups: tuple[KVGroup, ...]
+    groups: tuple[KVGroup, ...]  # ours: one per distinct spec
+    stock_groups: tuple[KVGroup, ...]  # vLLM's equal-size split
     stock: StockLayout
     ours: Layout
     physical: PhysicalLimit
@@ -281,14 +299,15 @@ def _mamba_states_per_request(spec: MambaLayerSpec, mode: str, spec_tokens: int)
 
 
 def _blocks_per_request(spec: LayerSpec, block: int, p: PlanParams) -> int:
-    L = p.max_model_len
+    """Blocks one request at ``max_model_len`` takes (bounded groups: their per-request cap)."""
     if isinstance(spec, MambaLayerSpec):
         if p.mamba_cache_mode == "all":
             # One state per block of tokens, plus the speculative scratch states.
-            return cdiv(L, block) + p.num_spec_tokens
+            return cdiv(p.max_model_len, block) + p.num_spec_tokens
         return _mamba_states_per_request(spec, p.mamba_cache_mode, p.num_spec_tokens)
-    if spec.kind == "full" or _grows(spec, p.mamba_cache_mode, L):
-        return cdiv(L, block)
+    if spec.kind == "full":
+        return cdiv(p.max_model_len, block)
+    # vLLM's own cap, also when the window covers max_model_len (then it is cdiv(L, b) + 1).
     return _window_blocks(spec, block, p)
 
 
@@ -323,8 +342,12 @@ def _stock(model: ModelSpec, groups: list[KVGroup], p: PlanParams) -> StockLayou
     mamba_page = max((m.state_bytes(p.num_spec_tokens) for m in model.mamba_layers), default=0)
     rows: list[PoolRow] = []
     for i, g in enumerate(groups):
-        # After alignment every page is the attention page (Mamba pages padded up to it).
-        page = attn_page if model.mamba_layers else g.spec.page_bytes(block)  # type: ignore[union-attr]
+        spec = g.spec
+        if isinstance(spec, AttentionLayerSpec) and not model.mamba_layers:
+            page = spec.page_bytes(block)
+        else:
+            # After alignment every page is the attention page (Mamba pages padded up to it).
+            page = attn_page
         grows = _grows(g.spec, p.mamba_cache_mode, p.max_model_len)
         if isinstance(g.spec, MambaLayerSpec) and p.mamba_cache_mode == "none":
             tokens_per_block = p.max_model_len  # vLLM's mamba_block_size in 'none' mode
@@ -387,8 +410,10 @@ def _natural(g: KVGroup, p: PlanParams) -> tuple[int, int]:
 
 
 def _fixed_blocks(g: KVGroup, per_req: int, p: PlanParams) -> int:
-    reserve = p.prefix_state_reserve if isinstance(g.spec, MambaLayerSpec) else 0
-    return p.max_num_seqs * per_req + 1 + reserve
+    factor = p.align_cache_factor if isinstance(g.spec, MambaLayerSpec) else 1
+    if p.mamba_cache_mode != "align":
+        factor = 1
+    return p.max_num_seqs * per_req * factor + 1
 
 
 def _tokens_fitting(remaining: int, growing: list[tuple[int, int]]) -> int:
@@ -424,10 +449,12 @@ def _ours(groups: list[KVGroup], p: PlanParams) -> Layout:
     growing = [r for r in rows if r.grows]
     if not growing:
         raise ValueError("model has no KV-cache group that grows with sequence length")
-    remaining = p.kv_bytes - fixed_bytes
+    # sizing.py sets aside one region alignment per pool for padding between regions.
+    remaining = p.kv_bytes - fixed_bytes - REGION_ALIGNMENT * len(rows)
     t = _tokens_fitting(remaining, [(r.block_bytes, r.block_size) for r in growing])
     if t < 1:
-        need = fixed_bytes + sum(2 * r.block_bytes for r in growing)
+        need = fixed_bytes + REGION_ALIGNMENT * len(rows)
+        need += sum(2 * r.block_bytes for r in growing)
         return Layout(
             name="ours",
             rows=tuple(rows),
@@ -485,7 +512,7 @@ def plan(
     max_model_len: int | None = None,
     max_num_batched_tokens: int = 2048,
     mamba_block_size: int | None = None,
-    prefix_state_reserve: int = 0,
+    align_cache_factor: int = ALIGN_CACHE_FACTOR,
 ) -> Plan:
     """Size the stock, ours and physical layouts for ``kv_bytes`` of KV-cache memory.
 
@@ -501,7 +528,8 @@ def plan(
         max_num_batched_tokens: in-flight tokens a sliding-window request may also hold.
         mamba_block_size: tokens per cached Mamba state in 'all' mode (ours; default: the
             stock block size, so both checkpoint at the same interval).
-        prefix_state_reserve: extra 'align' Mamba blocks kept for prefix-cache retention.
+        align_cache_factor: an 'align' Mamba pool holds this many times the live states of
+            ``max_num_seqs`` requests (the rest keeps cached states for prefix hits).
 
     A budget too small for ours' bounded pools gives ``plan.ours.feasible == False`` (stock
     and physical are still sized: stock shares one pool, so it runs with fewer requests).
@@ -521,11 +549,12 @@ def plan(
         ("block_size", block_size),
         ("max_model_len", max_len),
         ("max_num_batched_tokens", max_num_batched_tokens),
+        ("align_cache_factor", align_cache_factor),
     ):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
-    if num_spec_tokens < 0 or prefix_state_reserve < 0:
-        raise ValueError("num_spec_tokens and prefix_state_reserve must not be negative")
+    if num_spec_tokens < 0:
+        raise ValueError(f"num_spec_tokens must not be negative, got {num_spec_tokens}")
     if not model.attention_layers:
         raise ValueError(f"{model.name} has no attention layer; nothing grows with the sequence")
     mamba_block = mamba_block_size or stock_block_size(model, block_size, num_spec_tokens)
@@ -538,14 +567,15 @@ def plan(
         max_model_len=max_len,
         max_num_batched_tokens=max_num_batched_tokens,
         mamba_block_size=mamba_block,
-        prefix_state_reserve=prefix_state_reserve,
+        align_cache_factor=align_cache_factor,
     )
-    groups = kv_cache_groups(model)
+    stock_groups, groups = kv_cache_groups(model), spec_groups(model)
     return Plan(
         model=model,
         params=params,
         groups=tuple(groups),
-        stock=_stock(model, groups, params),
+        stock_groups=tuple(stock_groups),
+        stock=_stock(model, stock_groups, params),
         ours=_ours(groups, params),
         physical=_physical(model, params),
     )
