@@ -5,24 +5,37 @@
 
 The command runs the engine in a child process of itself (``--child``) whose
 ``HYBRID_ALLOC_BACKEND`` is set before vLLM is imported, tees the child's output (vLLM's
-log, including the engine-core process's) to stderr and to ``--log`` (default: the output
-path with suffix ``.log``), then adds what the log tells to the child's JSON:
+log, including the engine-core and worker processes') to stderr (unless ``--quiet``) and
+to ``--log`` (default: the output path with suffix ``.log``), then merges what the log
+tells into the child's JSON:
 
 * ``outputs``: generated token IDs per prompt, in workload order (greedy, ``ignore_eos``);
-* ``generate_s`` / ``wave_s``: wall time of ``LLM.generate()`` (all waves / per wave);
-* ``capacity``: ``num_gpu_blocks``, ``kv_cache_size_tokens`` and ``max_concurrency`` as the
-  engine reported them (from the engine core itself, else from its log line);
-* ``metrics``: preemptions, prefix-cache queries and hits, block reuses ("evictions"), from
-  vLLM's Prometheus metrics;
-* ``probe``: the block-pool class the scheduler really built, read in the engine-core
-  process (see :mod:`hybrid_alloc.demo.probe`);
+* ``generate_s`` / ``wave_s``: wall time of ``LLM.generate()`` (all waves / per wave),
+  ``startup_s`` (building ``LLM``), ``wall_s`` (the whole child);
+* ``capacity``: ``num_gpu_blocks``, ``kv_cache_size_tokens``, ``max_concurrency`` and
+  ``block_size`` as the engine core reported them;
+* ``metrics``: preemptions, prefix-cache queries and hits, block reuses (allocations of a
+  block that had been handed out before, i.e. evictions when caching is on), finished
+  requests, from vLLM's Prometheus metrics;
+* ``block_pool`` and ``probe``: the block-pool class the scheduler really built and the
+  pool's state, logged from the engine-core process by
+  :class:`hybrid_alloc.demo.probe.ProbeScheduler` (``init``, ``before_reset``,
+  ``after_reset``, ``shutdown`` when not force-killed), with digests of every scheduling
+  decision and block ID handed out;
 * ``plugin_log``: every "hybrid_alloc: KV-cache block pool backend is ..." line, with the
-  pid and backend it names.
+  pid and backend it names and whether it came from the engine-core process;
+* ``reset_prefix_cache_ok``: ``LLM.reset_prefix_cache()`` after the workload (vLLM refuses
+  it while any block is held);
+* ``error_lines``: vLLM ERROR/CRITICAL log lines; ``returncode`` of the child.
 
 The workload is ``--waves`` waves; each wave sends ``--num-prefixes`` x
-``--prompts-per-prefix`` prompts. All prompts with the same prefix index share a
+``--prompts-per-prefix`` token-ID prompts. All prompts with the same prefix index share a
 ``--prefix-len``-token prefix across waves and differ in a ``--suffix-len``-token suffix,
-so later waves hit the prefix cache unless the blocks were evicted in between.
+so later prompts hit the prefix cache unless the blocks were evicted in between. With a
+small ``--num-gpu-blocks`` requests are preempted and cached blocks evicted. The engine
+runs eagerly (no torch.compile) by default and, with ``--wave-gate`` (default), starts each
+wave only once all of it has reached the engine core, so that batches, and with them
+greedy tokens, are the same in every run.
 """
 
 from __future__ import annotations
@@ -50,7 +63,10 @@ _CAPACITY_LINE = re.compile(
 )
 _ENGINE_CORE_PREFIX = re.compile(r"\(EngineCore[^)]*pid=(?P<pid>\d+)\)")
 _PROBE_LINE = re.compile(r"hybrid_alloc\.probe (?P<event>\w+) (?P<payload>\{.*\})\s*$")
+# hybrid_alloc.demo.probe's names, spelled out here so that the parent never imports vLLM.
 PROBE_SCHEDULER = "hybrid_alloc.demo.probe.ProbeScheduler"
+WAVE_SIZES_KEY = "hybrid_alloc_wave_sizes"
+_ERROR_LINE = re.compile(r"\) (ERROR|CRITICAL) \d\d-\d\d ")
 _TOKEN_LOW = 3  # keep clear of pad/bos/eos IDs 0..2
 
 
@@ -127,6 +143,7 @@ def _child_main(args: argparse.Namespace) -> int:
         "dtype": "bfloat16",
         "seed": args.seed,
         "enable_prefix_caching": args.prefix_caching,
+        "enforce_eager": args.enforce_eager,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "disable_log_stats": False,
@@ -139,12 +156,21 @@ def _child_main(args: argparse.Namespace) -> int:
         # gpu_memory_utilization fraction of the NUMA node's memory is free).
         "kv_cache_memory_bytes": args.kv_cache_mib << 20,
     }
+    if args.wave_gate:
+        # ProbeScheduler starts each wave once all of it has arrived: same batches every run.
+        engine_kwargs["additional_config"] = {WAVE_SIZES_KEY: [len(w) for w in waves]}
     if args.num_gpu_blocks is not None:
         engine_kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.block_size is not None:
         engine_kwargs["block_size"] = args.block_size
+    for item in args.engine_arg:
+        key, _, value = item.partition("=")
+        try:
+            engine_kwargs[key] = json.loads(value)
+        except ValueError:
+            engine_kwargs[key] = value
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)
@@ -155,9 +181,7 @@ def _child_main(args: argparse.Namespace) -> int:
     wave_s: list[float] = []
     for prompts in waves:
         t = time.perf_counter()
-        results = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-        )
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wave_s.append(time.perf_counter() - t)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
 
@@ -210,7 +234,8 @@ def _tee(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
 
 
 def scan_log(text: str) -> dict[str, Any]:
-    """What the engine's log says: plugin lines, capacity line, engine-core pids, errors."""
+    """What the engine's log says: probe and plugin lines, capacity line, engine-core pids,
+    and vLLM's ERROR/CRITICAL lines (first 50)."""
     plugin = []
     for line in text.splitlines():
         m = _PLUGIN_LINE.search(line)
@@ -243,7 +268,7 @@ def scan_log(text: str) -> dict[str, Any]:
             "max_model_len": int(cap["max_len"].replace(",", "")),
             "max_concurrency": float(cap["conc"]),
         },
-        "has_traceback": "Traceback (most recent call last)" in text,
+        "error_lines": [line for line in text.splitlines() if _ERROR_LINE.search(line)][:50],
     }
 
 
@@ -257,6 +282,8 @@ def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     env[ENV_VAR] = args.backend
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env["PYTHONUNBUFFERED"] = "1"
+    if args.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
     cmd = [sys.executable, "-m", "hybrid_alloc.demo.engine_run", "--child", *argv]
     t0 = time.perf_counter()
     with log_path.open("wb") as log_file:
@@ -313,14 +340,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--log", type=Path, default=None, help="default: OUT with suffix .log")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
-        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip torch.compile (default: on; compiling costs ~20-45 s per engine start)",
+    )
+    p.add_argument(
+        "--wave-gate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule each wave only once all its requests reached the engine core "
+        "(default: on; makes batches, hence greedy tokens, reproducible)",
     )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM keyword argument (VALUE parsed as JSON when it parses); "
+        "repeatable, e.g. --engine-arg "
+        '\'kv_events_config={"enable_kv_cache_events": true, "publisher": "null"}\'',
+    )
+    p.add_argument(
         "--kv-cache-mib", type=int, default=256, help="KV cache memory without --num-gpu-blocks"
     )
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -329,8 +376,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--prompts-per-prefix", type=int, default=3)
     p.add_argument("--prefix-len", type=int, default=640)
-    p.add_argument("--suffix-len", type=int, default=96)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--suffix-len", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument(
+        "--cpu-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. '0'), to run engines side by side",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the child")
     p.add_argument("--quiet", action="store_true", help="do not echo the engine's log")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

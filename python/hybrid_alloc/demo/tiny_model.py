@@ -9,6 +9,7 @@ head dimension 64, four layers mixing state-space layers with full attention.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,8 @@ def _nemotron_h_config() -> Any:
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
-        # M = Mamba2, * = attention, - = MLP
-        hybrid_override_pattern="M*M-",
+        # M = Mamba2 layer, * = attention layer (no MLP layers)
+        hybrid_override_pattern="M*M*",
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=HEAD_DIM,
@@ -80,15 +81,49 @@ def _nemotron_h_config() -> Any:
     )
 
 
+_MIXER_OUTPUTS = (
+    "linear_attn.out_proj.weight",  # Qwen3-Next Gated DeltaNet
+    "mixer.out_proj.weight",  # NemotronH Mamba2
+    "self_attn.o_proj.weight",  # Qwen3-Next attention
+    "mixer.o_proj.weight",  # NemotronH attention
+)
+
+
+def make_context_sensitive(model: Any) -> None:
+    """Rescale a freshly initialised model so that its greedy output depends on the whole
+    prompt, not just on the last few tokens.
+
+    With the stock initialisation the state-space layers forget within a token or two
+    (``A_log`` about 2, so the state decays by ~e^-10 per token) and the mixer outputs are
+    tiny next to the embeddings, so a prompt's far prefix hardly changes the next token:
+    a corrupted or wrongly reused KV block would go unnoticed. Here the state decays slowly
+    (``A_log = log(1e-3)``), mixer outputs are 10x larger and attention is sharper; with
+    these settings replacing any 128-token block of a 760-token prompt changes most of the
+    next 24 greedy tokens (measured with transformers, both families).
+    """
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".A_log"):
+                param.fill_(math.log(1e-3))
+            elif name.endswith(_MIXER_OUTPUTS):
+                param.mul_(10.0)
+            elif name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+                param.fill_(2.0)  # zero-centred RMSNorm: scale 1 + 2 = 3
+            elif name.endswith(("mixer.q_proj.weight", "mixer.k_proj.weight")):
+                param.mul_(10.0)  # no q/k norm here: sharpen through the projections
+            elif name.endswith("mixer.dt_bias"):
+                param.fill_(0.0)  # Mamba2 step ~softplus(0): writes that matter
+
+
 _CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next_config,
     "nemotron_h": _nemotron_h_config,
 }
 
 
-def write_tiny_hybrid_model(
-    path: str | Path, family: str = "qwen3_next", seed: int = 0
-) -> Path:
+def write_tiny_hybrid_model(path: str | Path, family: str = "qwen3_next", seed: int = 0) -> Path:
     """Write a tiny random-weight hybrid model of ``family`` into directory ``path``.
 
     Returns the directory. The weights depend only on ``family`` and ``seed``.
@@ -102,12 +137,8 @@ def write_tiny_hybrid_model(
     out.mkdir(parents=True, exist_ok=True)
     cfg = _CONFIGS[family]()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    # Random init gives near-uniform logits; widen them so greedy picks are stable.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lm_head.weight") or name.endswith("embed_tokens.weight"):
-                param.normal_(0.0, 1.0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    make_context_sensitive(model)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     return out
