@@ -8,14 +8,16 @@ instead of vLLM's stock pool; vLLM looks the name up when it builds each coordin
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
+from vllm.logger import init_logger
+
 from hybrid_alloc.backend import ENV_VAR, selected_backend
 
-# Under vLLM's logger namespace so that vLLM's logging configuration prints it.
-logger = logging.getLogger("vllm.hybrid_alloc")
+# vLLM's own logger factory: importing it configures vLLM's logging, so the line is printed
+# even in a process where the plugin runs before vLLM has logged anything.
+logger = init_logger("vllm.hybrid_alloc")
 
 _installed: str | None = None
 
