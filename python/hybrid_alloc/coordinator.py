@@ -42,14 +42,14 @@ from hybrid_alloc.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.pool_set import PoolSet
 
 
-class _PerGroupPools:
+class PerGroupPoolsMixin:
     """What the per-group coordinators add to vLLM's; mixed in before vLLM's class."""
 
     pool_set: PoolSet
     single_type_managers: tuple[Any, ...]
     retention_interval: int | None
 
-    def _adopt_pool_set(self, kv_cache_config: PerGroupKVCacheConfig, pool_set: PoolSet) -> None:
+    def _adopt_pool_set(self, pool_set: PoolSet) -> None:
         """Give every manager its group's pool. Runs right after vLLM's ``__init__``,
         before any block is allocated, so the pool vLLM built is never used."""
         if pool_set.num_groups != len(self.single_type_managers):
@@ -160,7 +160,7 @@ def _build_pool_set(
     )
 
 
-class PerGroupHybridCoordinator(_PerGroupPools, HybridKVCacheCoordinator):
+class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
     """vLLM's hybrid coordinator (prefix caching on) with one pool per group."""
 
     def __init__(
@@ -203,14 +203,14 @@ class PerGroupHybridCoordinator(_PerGroupPools, HybridKVCacheCoordinator):
             enable_kv_cache_events,
             metrics_collector,
         )
-        self._adopt_pool_set(kv_cache_config, pool_set)
+        self._adopt_pool_set(pool_set)
         # vLLM batched the lookup of groups with equal specs because they shared a pool;
         # with their own pools each is looked up in its own (the check at
         # kv_cache_coordinator.py:730 compares the managers' pools).
         self.verify_and_split_kv_cache_groups()
 
 
-class PerGroupNoPrefixCacheCoordinator(_PerGroupPools, KVCacheCoordinatorNoPrefixCache):
+class PerGroupNoPrefixCacheCoordinator(PerGroupPoolsMixin, KVCacheCoordinatorNoPrefixCache):
     """vLLM's coordinator without prefix caching, with one pool per group."""
 
     def __init__(
@@ -243,7 +243,7 @@ class PerGroupNoPrefixCacheCoordinator(_PerGroupPools, KVCacheCoordinatorNoPrefi
         pool_set = _build_pool_set(
             kv_cache_config, False, hash_block_size, enable_kv_cache_events, metrics_collector
         )
-        self._adopt_pool_set(kv_cache_config, pool_set)
+        self._adopt_pool_set(pool_set)
 
 
 def get_kv_cache_coordinator(

@@ -4,6 +4,8 @@ vLLM runs general plugins once per process before it builds the KV-cache coordin
 the scheduler, including in the engine-core process that owns them. With the Rust backend
 selected, :func:`register` makes the coordinator build :class:`hybrid_alloc.BlockPool`
 instead of vLLM's stock pool; vLLM looks the name up when it builds each coordinator.
+With ``HYBRID_ALLOC_PER_GROUP_POOLS=1`` as well, hybrid models get one pool per KV-cache
+group (:mod:`hybrid_alloc.per_group`).
 """
 
 from __future__ import annotations
@@ -25,19 +27,26 @@ _installed: str | None = None
 def register() -> None:
     """Entry point: install the selected backend in this process (idempotent)."""
     global _installed
+    from hybrid_alloc import per_group
+
     backend = selected_backend()  # raises ValueError, failing startup, on a bad value
+    # Per-group pools need the Rust pool; the switch is read (and checked) either way.
+    wants_per_group = per_group.enabled() and backend == "rust"
     if _installed == backend:
         return
     if backend == "rust":
         install_rust_pool()
+        if wants_per_group:
+            install_per_group_pools()
     else:
         restore_stock_pool()
     _installed = backend
     logger.info(
-        "hybrid_alloc: KV-cache block pool backend is '%s' (%s, pid %d)",
+        "hybrid_alloc: KV-cache block pool backend is '%s' (%s, pid %d)%s",
         backend,
         ENV_VAR,
         os.getpid(),
+        ", per-group pools on" if wants_per_group else "",
     )
 
 
@@ -52,6 +61,14 @@ def install_rust_pool() -> None:
     patches.apply()
 
 
+def install_per_group_pools() -> None:
+    """Hybrid models get one pool per KV-cache group: natural page sizes in the workers,
+    per-group sizing in the engine core, a coordinator with one pool per group."""
+    from hybrid_alloc import per_group
+
+    per_group.install()
+
+
 def restore_stock_pool() -> None:
     """Make vLLM's KV-cache coordinator build its stock pool again."""
     import vllm.v1.core.block_pool as stock
@@ -60,6 +77,8 @@ def restore_stock_pool() -> None:
     coordinator.BlockPool = stock.BlockPool  # type: ignore[misc]
     if "hybrid_alloc.patches" in sys.modules:
         sys.modules["hybrid_alloc.patches"].revert()
+    if "hybrid_alloc.per_group" in sys.modules:
+        sys.modules["hybrid_alloc.per_group"].uninstall()
 
 
 def active_backend() -> str | None:

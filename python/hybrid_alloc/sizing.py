@@ -21,12 +21,12 @@ with the reason logged.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv, round_up
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import (
@@ -37,13 +37,15 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
     SlidingWindowSpec,
+    compute_layer_kv_cache_shape_bytes,
     compute_layout_strides,
 )
 
 from hybrid_alloc.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.pool_set import PoolLayout
 
-logger = logging.getLogger("vllm.hybrid_alloc")
+# vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
+logger = init_logger("vllm.hybrid_alloc")
 
 ALIGN_CACHE_FACTOR = 2
 """An 'align'-mode Mamba pool holds this many times what the running requests need: the
@@ -192,16 +194,18 @@ def build_config(vllm_config: Any, plans: list[GroupPlan], sizes: list[int]) -> 
         num_layers = len(plan.group.layer_names)
         stride = round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
         fixed_block_stride = stride if stride != spec.page_size_bytes else None
-        layer_stride, block_stride, _, _, _ = compute_layout_strides(
+        strides = compute_layout_strides(
             spec,
             num_blocks,
             num_layers,
             layout,
             fixed_strides=(None, fixed_block_stride, None, None, None),
         )
+        shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, num_blocks))
         offset = round_up(offset, REGION_ALIGNMENT)
-        regions.append((offset, layer_stride, block_stride))
-        offset += max(num_layers * layer_stride, num_blocks * block_stride)
+        regions.append((offset, strides[0], strides[1]))
+        # Last byte any view of this group can address, whatever the layout's dim order.
+        offset += 1 + sum((n - 1) * stride for n, stride in zip(shape, strides, strict=True))
     total = round_up(offset, REGION_ALIGNMENT)
     for plan, (start, layer_stride, block_stride) in zip(plans, regions, strict=True):
         tensors.append(

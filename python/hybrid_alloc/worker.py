@@ -16,12 +16,13 @@ state count from their view, and each group's block table indexes its own layers
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
-logger = logging.getLogger("vllm.hybrid_alloc")
+# vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
+logger = init_logger("vllm.hybrid_alloc")
 
 _ATTR = "_align_hybrid_block_size"
 _stock_align: Any = Platform.__dict__[_ATTR]
