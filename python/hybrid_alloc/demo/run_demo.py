@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,8 @@ from hybrid_alloc.demo.tiny_model import FAMILIES, write_tiny_hybrid_model
 
 # Pool sizes that force preemption and eviction with engine_run's default workload.
 DEFAULT_BLOCKS = {"qwen3_next": 36, "nemotron_h": 12}
+# KV memory for the per-group comparison: both layouts size their pools from it.
+PER_GROUP_KV_MIB = 64
 
 
 def run_engine(
@@ -38,8 +41,10 @@ def run_engine(
     *,
     quiet: bool = True,
     timeout: float = 600.0,
+    per_group: bool = False,
 ) -> dict[str, Any]:
-    """Run ``engine_run`` for one backend in a subprocess; return its JSON result."""
+    """Run ``engine_run`` for one backend in a subprocess; return its JSON result.
+    ``per_group`` turns on per-group pools (HYBRID_ALLOC_PER_GROUP_POOLS=1)."""
     cmd = [
         sys.executable,
         "-m",
@@ -56,7 +61,8 @@ def run_engine(
     ]
     if quiet:
         cmd.append("--quiet")
-    proc = subprocess.run(cmd, timeout=timeout + 60, check=False)
+    env = dict(os.environ, HYBRID_ALLOC_PER_GROUP_POOLS="1" if per_group else "0")
+    proc = subprocess.run(cmd, timeout=timeout + 60, check=False, env=env)
     if not out.exists():
         return {
             "backend": backend,
@@ -156,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Mamba2 layers with prefix caching)",
     )
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, in order")
+    p.add_argument(
+        "--per-group",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compare stock with per-group pools at the same KV memory (default: on)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep model, JSON and logs here")
     p.add_argument("--verbose", action="store_true", help="echo the engines' logs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per engine run")
@@ -222,7 +234,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             digests = {r.get("probe", {}).get("before_reset", {}).get(key) for r in results}
             verdict = "unknown" if None in digests else "yes" if len(digests) == 1 else "no"
             print(f"{what}: {verdict}")
+        if args.per_group and same:
+            same = per_group_comparison(model, work, args) and same
         return 0 if same else 1
+
+
+def per_group_comparison(model: Path, work: Path, args: argparse.Namespace) -> bool:
+    """Stock vLLM vs per-group pools at the same KV memory: capacity and outputs."""
+    print(
+        f"\nper-group pools: stock shared pool vs one pool per KV-cache group, both with "
+        f"{PER_GROUP_KV_MIB} MiB of KV memory, no prefix caching (Mamba 'none' mode)",
+        flush=True,
+    )
+    extra = ["--no-prefix-caching", "--kv-cache-mib", str(PER_GROUP_KV_MIB), *args.engine_args]
+    results = []
+    for label, backend, per_group in (("vllm", "vllm", False), ("per-group", "rust", True)):
+        print(f"running {label!r} ...", flush=True)
+        r = run_engine(
+            model,
+            backend,
+            work / f"per-group-{label}.json",
+            extra,
+            quiet=not args.verbose,
+            timeout=args.timeout,
+            per_group=per_group,
+        )
+        if r.get("returncode") != 0:
+            print(f"  {label}: FAILED, exit {r.get('returncode')}, log {r.get('log')}")
+            return False
+        r["backend"] = label
+        results.append(r)
+    print(format_table(results))
+    same, summary = compare_outputs(results)
+    print(f"\noutputs match token-for-token: {'yes' if same else 'NO'} ({summary})")
+    stock = results[0].get("capacity", {}).get("kv_cache_size_tokens")
+    ours = results[1].get("capacity", {}).get("kv_cache_size_tokens")
+    if stock and ours:
+        print(f"KV token capacity: stock {stock:,}, per-group {ours:,} ({ours / stock:.2f}x)")
+    return same
 
 
 if __name__ == "__main__":
