@@ -1180,7 +1180,35 @@ def write_results(cfg: Config, rep: Report, elapsed: float, path: Path) -> None:
             "hashes, reference counts and free counts compared along the traces)."
         )
     lines.append("")
+    lines += capacity_section(path.parent)
     path.write_text("\n".join(lines))
+
+
+CAPACITY_TABLE_HEADING = "## Token capacity (mamba_cache_mode none)"
+
+
+def capacity_section(bench_dir: Path) -> list[str]:
+    """The capacity summary of ``CAPACITY.md`` (written by ``bench_capacity.py``), so that
+    RESULTS.md holds both speed and capacity."""
+    source = bench_dir / "CAPACITY.md"
+    if not source.exists():
+        return []
+    text = source.read_text()
+    start = text.find(CAPACITY_TABLE_HEADING)
+    if start < 0:
+        return []
+    body = text[start + len(CAPACITY_TABLE_HEADING) :].split("\n## ", 1)[0].strip()
+    return [
+        "## Capacity: stock shared pool vs per-group pools vs physical limit",
+        "",
+        "From `benches/CAPACITY.md` (`python benches/bench_capacity.py`, where the columns "
+        "and the method are explained).",
+        "",
+        body,
+        "",
+        "![capacity](capacity.png)",
+        "",
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
