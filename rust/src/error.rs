@@ -5,7 +5,7 @@ use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolError {
-    /// A pool must hold the null block plus at least one usable block... or at least one block.
+    /// A pool size of zero (a pool holds at least its null block) or past the ID range.
     InvalidSize { requested: usize, max: usize },
     /// A block ID outside `0..num_blocks`.
     OutOfRange { block_id: i64, num_blocks: usize },

@@ -151,6 +151,10 @@ impl PrefixCache {
             .copied()
     }
 
+    /// The slot `s`. Only slot numbers held by the table, a primary record or an extra-key
+    /// list are passed here, and a slot is emptied only after its last holder is unlinked
+    /// from all three (`remove_block`, `clear`), so the slot is always occupied: the
+    /// `expect` documents an internal invariant, not a condition a caller can trigger.
     fn slot(&self, s: u32) -> &KeySlot {
         self.slots[s as usize]
             .as_ref()
