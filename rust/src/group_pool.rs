@@ -690,6 +690,90 @@ mod tests {
         assert_eq!(b, vec![a[0]]);
     }
 
+    /// A pseudo-random walk over every operation (valid and invalid calls alike) against
+    /// a model of who holds which block: invariants hold after every step, failed calls
+    /// change nothing, reference counts equal the model's holder counts.
+    #[test]
+    fn random_walk_keeps_invariants() {
+        let n = 24usize;
+        let mut p = GroupPool::new(n, true).unwrap();
+        let mut holders: Vec<Vec<BlockId>> = Vec::new();
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut rnd = |m: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % m.max(1) as u64) as usize
+        };
+        for step in 0..20_000 {
+            let before = p.clone();
+            let op = rnd(8);
+            let res: Result<(), PoolError> = match op {
+                0 => p.allocate(rnd(6), noop).map(|ids| holders.push(ids)),
+                1 if !holders.is_empty() => {
+                    let ids = holders.swap_remove(rnd(holders.len()));
+                    let rev: Vec<BlockId> = ids.iter().rev().copied().collect();
+                    p.free(&rev)
+                }
+                2 if !holders.is_empty() => {
+                    let h = &holders[rnd(holders.len())];
+                    let fb: Vec<FullBlock<'_>> = h
+                        .iter()
+                        .enumerate()
+                        .filter(|_| rnd(2) == 0)
+                        .map(|(i, &b)| FullBlock {
+                            block: b,
+                            block_hash: [b"h0", b"h1", b"h2", b"h3"][i % 4],
+                            num_tokens: 16 * (i as u32 + 1),
+                        })
+                        .collect();
+                    p.cache_full_blocks(&fb, 0, noop)
+                }
+                3 => {
+                    // Touch whatever is cached under a key, like a prefix hit.
+                    let k = key(["h0", "h1", "h2", "h3"][rnd(4)], 0);
+                    match p.lookup(&k) {
+                        Some(b) => p.touch(&[b]).map(|_| holders.push(vec![b])),
+                        None => Ok(()),
+                    }
+                }
+                4 => p.evict(rnd(n + 2) as BlockId, noop).map(|_| ()),
+                5 => {
+                    // Bad input: a double free of a free block or an out-of-range ID.
+                    let b = rnd(n + 3) as BlockId;
+                    if p.ref_cnt(b) == 0 || b as usize >= n {
+                        assert!(b == NULL_BLOCK_ID || p.free(&[b]).is_err());
+                        assert_eq!(p.free_blocks_in_order(), before.free_blocks_in_order());
+                    }
+                    Ok(())
+                }
+                6 => {
+                    p.reset_prefix_cache();
+                    Ok(())
+                }
+                _ => p.touch(&[NULL_BLOCK_ID]),
+            };
+            if res.is_err() {
+                assert_eq!(p.free_blocks_in_order(), before.free_blocks_in_order());
+                for b in 0..n as u32 {
+                    assert_eq!(p.ref_cnt(b), before.ref_cnt(b), "step {step}");
+                    assert_eq!(p.block_hash(b), before.block_hash(b), "step {step}");
+                }
+            }
+            p.check_invariants()
+                .unwrap_or_else(|e| panic!("step {step} op {op}: {e}"));
+            let mut count = vec![0u32; n];
+            for h in &holders {
+                for &b in h {
+                    count[b as usize] += 1;
+                }
+            }
+            for b in 1..n as u32 {
+                assert_eq!(p.ref_cnt(b), count[b as usize], "step {step}: block {b}");
+            }
+        }
+    }
+
     #[test]
     fn per_block_bookkeeping_is_small() {
         let p = GroupPool::new(1 << 20, true).unwrap();
