@@ -10,7 +10,7 @@ event payload itself is per block.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -324,12 +324,6 @@ class BlockPool(NativeBlockPool):
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
-
-    def get_cached_blocks(
-        self, block_hashes: Sequence[bytes], kv_cache_group_ids: list[int], max_blocks: int
-    ) -> tuple[list[KVCacheBlock], ...]:
-        """Longest cached prefix of ``block_hashes`` in every group, in one call."""
-        return self.get_cached_prefix(block_hashes, list(kv_cache_group_ids), max_blocks)
 
     def __repr__(self) -> str:
         return (

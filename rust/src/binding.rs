@@ -13,18 +13,14 @@
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, FullBlock, GroupPool, NULL_BLOCK_ID};
 use crate::prefix_cache::make_key;
-use pyo3::exceptions::{PyIndexError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use rustc_hash::FxHashMap;
 
 fn pool_err(label: &str, e: PoolError) -> PyErr {
-    let msg = format!("{label}: {e}");
-    match e {
-        PoolError::NoSuchPool { .. } => PyKeyError::new_err(msg),
-        _ => PyValueError::new_err(msg),
-    }
+    PyValueError::new_err(format!("{label}: {e}"))
 }
 
 /// A KV-cache block handle, call-compatible with vLLM's `KVCacheBlock`.
@@ -321,9 +317,6 @@ impl NativeBlockPool {
             let pool = match item.getattr("pool") {
                 Ok(p) if !p.is_none() => p,
                 _ => {
-                    if item.cast::<Block>().is_ok() {
-                        unreachable_pool_error(&self.label)?;
-                    }
                     return Err(PyTypeError::new_err(format!(
                         "{}: free_blocks: expected KVCacheBlock objects, got {}",
                         self.label,
@@ -405,12 +398,6 @@ impl NativeBlockPool {
     }
 }
 
-fn unreachable_pool_error(label: &str) -> PyResult<()> {
-    Err(PyRuntimeError::new_err(format!(
-        "{label}: a block handle has no pool"
-    )))
-}
-
 #[pymethods]
 impl NativeBlockPool {
     #[new]
@@ -424,6 +411,8 @@ impl NativeBlockPool {
         medium: Option<&Bound<'_, PyAny>>,
         label: Option<String>,
     ) -> PyResult<Self> {
+        // `medium` belongs to the Python layer (events); accepted here so that the class
+        // takes vLLM's constructor arguments as they are.
         let _ = medium;
         let label = label.unwrap_or_else(|| "BlockPool".to_string());
         let n: i64 = num_gpu_blocks.extract().map_err(|_| {
@@ -452,7 +441,7 @@ impl NativeBlockPool {
             handles: Vec::new(),
             hash_block_size: hash_block_size as usize,
             enable_kv_cache_events,
-            metrics_collector: None.or(metrics_collector),
+            metrics_collector,
             watchers: Watchers::default(),
             removed_sink: None,
             label,
@@ -647,19 +636,12 @@ impl NativeBlockPool {
     ) -> PyResult<Option<Bound<'py, PyList>>> {
         let mut this = slf.try_borrow_mut()?;
         let mut key = Vec::with_capacity(block_hash.len() + 4);
-        let mut ids: [BlockId; 8] = [0; 8];
-        let mut more: Vec<BlockId> = Vec::new();
-        let mut n = 0usize;
+        let mut ids: Vec<BlockId> = Vec::with_capacity(4);
         let mut visit = |gid: u32| -> bool {
             make_key(&mut key, block_hash, gid);
             match this.core.lookup(&key) {
                 Some(id) => {
-                    if n < ids.len() {
-                        ids[n] = id;
-                    } else {
-                        more.push(id);
-                    }
-                    n += 1;
+                    ids.push(id);
                     true
                 }
                 None => false,
@@ -678,9 +660,7 @@ impl NativeBlockPool {
                 }
             }
         }
-        let mut all: Vec<BlockId> = ids[..n.min(8)].to_vec();
-        all.extend(more);
-        Ok(Some(this.handles_list(slf, &all)?))
+        Ok(Some(this.handles_list(slf, &ids)?))
     }
 
     /// Batched prefix lookup: walk `block_hashes` from the start and stop at the first
@@ -697,20 +677,20 @@ impl NativeBlockPool {
         let groups = kv_cache_group_ids.len();
         let mut found: Vec<Vec<BlockId>> = vec![Vec::new(); groups];
         let mut key = Vec::new();
+        let mut row: Vec<BlockId> = Vec::with_capacity(groups);
         let mut step = |h: &Bound<'py, PyAny>| -> PyResult<bool> {
             let bytes = h.cast::<PyBytes>()?.as_bytes();
-            let mut row = [0u32; 8];
-            let mut row_more = Vec::new();
-            for (g, &gid) in kv_cache_group_ids.iter().enumerate() {
+            // A hash counts only if every group has it: look all up before keeping any.
+            row.clear();
+            for &gid in &kv_cache_group_ids {
                 make_key(&mut key, bytes, gid);
                 match this.core.lookup(&key) {
-                    Some(id) if g < 8 => row[g] = id,
-                    Some(id) => row_more.push(id),
+                    Some(id) => row.push(id),
                     None => return Ok(false),
                 }
             }
-            for (g, list) in found.iter_mut().enumerate() {
-                list.push(if g < 8 { row[g] } else { row_more[g - 8] });
+            for (list, &id) in found.iter_mut().zip(&row) {
+                list.push(id);
             }
             Ok(true)
         };

@@ -19,8 +19,6 @@ pub enum PoolError {
     BadState { block_id: u32, reason: String },
     /// A reference count that would overflow.
     RefOverflow { block_id: u32 },
-    /// A pool index that names no pool of a [`crate::PoolSet`].
-    NoSuchPool { pool: usize, num_pools: usize },
 }
 
 impl fmt::Display for PoolError {
@@ -51,12 +49,6 @@ impl fmt::Display for PoolError {
             PoolError::BadState { block_id, reason } => write!(f, "block {block_id}: {reason}"),
             PoolError::RefOverflow { block_id } => {
                 write!(f, "the reference count of block {block_id} would overflow")
-            }
-            PoolError::NoSuchPool { pool, num_pools } => {
-                write!(
-                    f,
-                    "pool {pool} does not exist: the set has pools 0..{num_pools}"
-                )
             }
         }
     }
