@@ -16,12 +16,13 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hybrid_alloc.demo.run_demo import engine_run_command
 
 pytestmark = [
     pytest.mark.e2e,
@@ -49,23 +50,14 @@ def _run_pair(model: Path, workdir: Path, extra: Sequence[str]) -> dict[str, dic
     two_cores = (os.cpu_count() or 1) >= 2
     procs = {}
     for core, backend in enumerate(("rust", "vllm")):
-        cmd = [
-            sys.executable,
-            "-m",
-            "hybrid_alloc.demo.engine_run",
-            "--model",
-            str(model),
-            "--backend",
+        cmd = engine_run_command(
+            model,
             backend,
-            "--out",
-            str(workdir / f"{backend}.json"),
-            "--timeout",
-            str(ENGINE_TIMEOUT_S),
-            "--quiet",
-            *extra,
-        ]
-        if two_cores:
-            cmd += ["--cpu-bind", str(core)]
+            workdir / f"{backend}.json",
+            extra,
+            timeout=ENGINE_TIMEOUT_S,
+            cpu_bind=core if two_cores else None,
+        )
         procs[backend] = subprocess.Popen(cmd)
     codes = {}
     for backend, proc in procs.items():  # wait for both before judging either

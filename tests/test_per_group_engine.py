@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import coordinator as pg_coordinator
+from hybrid_alloc.demo.run_demo import engine_run_command
 from hybrid_alloc.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.plugin import install_rust_pool, restore_stock_pool
 from hybrid_alloc.pool_set import PoolLayout, PoolSet
@@ -574,45 +575,23 @@ def test_switch() -> None:
 E2E_TIMEOUT_S = 400
 
 
-def _plugin_wires_per_group() -> bool:
-    from hybrid_alloc import plugin
-
-    return hasattr(plugin, "install_per_group_pools")
-
-
-requires_plugin = pytest.mark.skipif(
-    not _plugin_wires_per_group(),
-    reason="hybrid_alloc.plugin does not install per-group pools yet",
-)
-
-
 def _run_pair(model: Any, workdir: Any, extra: list[str]) -> dict[str, dict[str, Any]]:
     import json
     import os
     import subprocess
-    import sys
 
     procs = {}
     for core, name in enumerate(("stock", "per_group")):
         env = dict(os.environ)
         env["HYBRID_ALLOC_PER_GROUP_POOLS"] = "1" if name == "per_group" else "0"
-        cmd = [
-            sys.executable,
-            "-m",
-            "hybrid_alloc.demo.engine_run",
-            "--model",
-            str(model),
-            "--backend",
+        cmd = engine_run_command(
+            model,
             "rust" if name == "per_group" else "vllm",
-            "--out",
-            str(workdir / f"{name}.json"),
-            "--timeout",
-            str(E2E_TIMEOUT_S),
-            "--quiet",
-            *extra,
-        ]
-        if (os.cpu_count() or 1) >= 2:
-            cmd += ["--cpu-bind", str(core)]
+            workdir / f"{name}.json",
+            extra,
+            timeout=E2E_TIMEOUT_S,
+            cpu_bind=core if (os.cpu_count() or 1) >= 2 else None,
+        )
         procs[name] = subprocess.Popen(cmd, env=env)
     results = {}
     for name, proc in procs.items():
@@ -657,7 +636,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-@requires_plugin
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """No prefix caching ('none' mode): same greedy tokens, more token capacity."""
@@ -668,7 +646,6 @@ def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path:
 
 
 @pytest.mark.e2e
-@requires_plugin
 def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """Prefix caching ('align' mode), a 20-block attention pool and one request at a
     time: cached prefixes are evicted and hit across two waves, no preemption."""

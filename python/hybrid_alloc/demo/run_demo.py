@@ -33,18 +33,17 @@ DEFAULT_BLOCKS = {"qwen3_next": 36, "nemotron_h": 12}
 PER_GROUP_KV_MIB = 64
 
 
-def run_engine(
+def engine_run_command(
     model: Path,
     backend: str,
     out: Path,
     extra: Sequence[str] = (),
     *,
+    timeout: float,
     quiet: bool = True,
-    timeout: float = 600.0,
-    per_group: bool = False,
-) -> dict[str, Any]:
-    """Run ``engine_run`` for one backend in a subprocess; return its JSON result.
-    ``per_group`` turns on per-group pools (HYBRID_ALLOC_PER_GROUP_POOLS=1)."""
+    cpu_bind: int | None = None,
+) -> list[str]:
+    """The ``engine_run`` command line for one backend (the demo and the e2e tests)."""
     cmd = [
         sys.executable,
         "-m",
@@ -61,6 +60,24 @@ def run_engine(
     ]
     if quiet:
         cmd.append("--quiet")
+    if cpu_bind is not None:
+        cmd += ["--cpu-bind", str(cpu_bind)]
+    return cmd
+
+
+def run_engine(
+    model: Path,
+    backend: str,
+    out: Path,
+    extra: Sequence[str] = (),
+    *,
+    quiet: bool = True,
+    timeout: float = 600.0,
+    per_group: bool = False,
+) -> dict[str, Any]:
+    """Run ``engine_run`` for one backend in a subprocess; return its JSON result.
+    ``per_group`` turns on per-group pools (HYBRID_ALLOC_PER_GROUP_POOLS=1)."""
+    cmd = engine_run_command(model, backend, out, extra, timeout=timeout, quiet=quiet)
     env = dict(os.environ, HYBRID_ALLOC_PER_GROUP_POOLS="1" if per_group else "0")
     proc = subprocess.run(cmd, timeout=timeout + 60, check=False, env=env)
     if not out.exists():
