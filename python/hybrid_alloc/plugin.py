@@ -4,8 +4,8 @@ vLLM runs general plugins once per process before it builds the KV-cache coordin
 the scheduler, including in the engine-core process that owns them. With the Rust backend
 selected, :func:`register` makes the coordinator build :class:`hybrid_alloc.BlockPool`
 instead of vLLM's stock pool; vLLM looks the name up when it builds each coordinator.
-With ``HYBRID_ALLOC_PER_GROUP_POOLS=1`` as well, hybrid models get one pool per KV-cache
-group (:mod:`hybrid_alloc.per_group`).
+Hybrid models then also get one pool per KV-cache group (:mod:`hybrid_alloc.per_group`)
+unless ``HYBRID_ALLOC_PER_GROUP_POOLS=0``.
 """
 
 from __future__ import annotations

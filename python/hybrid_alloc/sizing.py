@@ -76,10 +76,55 @@ class GroupPlan:
         return self.group.kv_cache_spec
 
 
-def unsupported_reason(
-    vllm_config: Any, kv_cache_specs: Sequence[dict[str, KVCacheSpec]]
+def config_unsupported_reason(vllm_config: Any) -> str | None:
+    """Why per-group pools cannot serve this engine, as far as its configuration tells
+    (None if it does not). Checked in the workers too: where it names a reason they pad
+    Mamba pages as stock vLLM does, so that vLLM's own sizing can take over."""
+    cache = vllm_config.cache_config
+    if cache.mamba_cache_mode == "all":
+        return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
+    if cache.enable_prefix_caching and cache.prefix_match_unit is not None:
+        return "prefix_match_unit (sub-block prefix hits copy Mamba blocks by bare ID)"
+    if vllm_config.kv_transfer_config is not None:
+        return "KV connectors address blocks by IDs unique across groups"
+    if vllm_config.attention_config.hisparse_config is not None:
+        return "HiSparse host pools"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding (draft groups) is not handled yet"
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        return "pipeline parallelism (workers hold different layers)"
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        return "context parallelism"
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        return "the hybrid KV-cache manager is disabled"
+    if vllm_config.model_config.original_max_model_len == -1:
+        return "max_model_len auto-fit"
+    if cache.mamba_cache_mode == "align" and _gpu_worker(vllm_config, v2_runner=True):
+        # Its profiling runs fabricate block IDs for every group modulo the primary
+        # pool's block count (set_dummy_context), past the end of a smaller 'align' pool.
+        return (
+            "Mamba 'align' mode under vLLM's V2 GPU model runner (VLLM_USE_V2_MODEL_RUNNER=0 "
+            "selects the V1 runner, which per-group pools support)"
+        )
+    return None
+
+
+def _gpu_worker(vllm_config: Any, v2_runner: bool = False) -> bool:
+    """Whether the workers are vLLM's GPU workers (optionally: running the V2 model
+    runner). The CPU worker is the one tested end to end here."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return False
+    return not v2_runner or bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def spec_unsupported_reason(
+    kv_cache_specs: Sequence[dict[str, KVCacheSpec]], gpu_worker: bool = False
 ) -> str | None:
-    """Why per-group pools cannot serve this engine (None if they can)."""
+    """Why per-group pools cannot serve the layers the workers reported (None if they
+    can)."""
     if not kv_cache_specs or any(specs != kv_cache_specs[0] for specs in kv_cache_specs):
         return "workers hold different layers (pipeline parallelism)"
     specs = list(kv_cache_specs[0].values())
@@ -91,20 +136,29 @@ def unsupported_reason(
         return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
     if not all(isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in other):
         return "attention layers other than full or sliding-window attention"
-    if vllm_config.kv_transfer_config is not None:
-        return "KV connectors address blocks by IDs unique across groups"
-    if vllm_config.attention_config.hisparse_config is not None:
-        return "HiSparse host pools"
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding (draft groups) is not handled yet"
-    parallel = vllm_config.parallel_config
-    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
-        return "context parallelism"
-    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-        return "the hybrid KV-cache manager is disabled"
-    if vllm_config.model_config.original_max_model_len == -1:
-        return "max_model_len auto-fit"
+    if gpu_worker and len(set(other)) > 1:
+        # KVBlockZeroer zeroes each new attention block ID in every attention layer, with
+        # one block count for all of them: right for one attention pool only.
+        return "several attention pools next to Mamba layers on vLLM's GPU worker"
     return None
+
+
+def unsupported_reason(
+    vllm_config: Any, kv_cache_specs: Sequence[dict[str, KVCacheSpec]]
+) -> str | None:
+    """Why per-group pools cannot serve this engine (None if they can)."""
+    return config_unsupported_reason(vllm_config) or spec_unsupported_reason(
+        kv_cache_specs, _gpu_worker(vllm_config)
+    )
+
+
+def _pages_unpadded(kv_cache_specs: Sequence[dict[str, KVCacheSpec]]) -> bool:
+    """Whether the workers left Mamba pages at their natural size (our worker hook) while
+    attention pages differ: vLLM's one-pool sizing cannot lay those out."""
+    specs = [s for d in kv_cache_specs for s in d.values()]
+    mamba = [s for s in specs if isinstance(s, MambaSpec)]
+    pages = {s.page_size_bytes for s in specs}
+    return bool(mamba) and len(pages) > 1 and all(s.page_size_padded is None for s in mamba)
 
 
 def build_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
@@ -282,6 +336,13 @@ def get_kv_cache_configs(
         if _partial_hits_would_be_on(vllm_config, groups):
             reason = "an 'align' Mamba block larger than the hash block (sub-block hits)"
     if reason is not None:
+        if config_unsupported_reason(vllm_config) is None and _pages_unpadded(kv_cache_specs):
+            # The workers kept natural page sizes, expecting per-group pools.
+            raise RuntimeError(
+                f"per-group KV-cache pools cannot serve this model ({reason}) and its "
+                "workers did not pad Mamba pages for vLLM's shared pool; start the "
+                "engine with HYBRID_ALLOC_PER_GROUP_POOLS=0"
+            )
         logger.info("hybrid_alloc: per-group KV-cache pools not used: %s", reason)
         return _stock_get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
     plans = plan_groups(vllm_config, groups)

@@ -6,7 +6,9 @@ called from ``update_block_size_for_backend`` in the worker process) raises the
 attention block size until one attention page covers a Mamba page and pads Mamba pages
 to it ("Padding mamba page size by X%"). With one pool per group no page has to match
 another group's, so the hook here skips both and keeps only what 'align' mode needs
-(Mamba blocks as long as attention blocks, the prefix-cache granularity).
+(Mamba blocks as long as attention blocks, the prefix-cache granularity). Engines whose
+configuration per-group pools do not serve (``sizing.config_unsupported_reason``) keep
+vLLM's hook: their engine core sizes vLLM's shared pool, which needs the padding.
 
 The rest of the worker needs no change: vLLM's ``allocate_kv_cache`` views every tensor
 with ``kv_cache_config.num_blocks_of(tensor)`` (answered per group by
@@ -29,6 +31,12 @@ _stock_align: Any = Platform.__dict__[_ATTR]
 
 
 def _align_without_padding(cls: Any, vllm_config: Any, backend_cls: Any) -> None:
+    from hybrid_alloc.sizing import config_unsupported_reason
+
+    if config_unsupported_reason(vllm_config) is not None:
+        # The engine core will size one shared pool (vLLM's); it needs vLLM's padding.
+        _stock_align.__func__(cls, vllm_config, backend_cls)
+        return
     cache_config = vllm_config.cache_config
     if cache_config.mamba_cache_mode == "align":
         # Prefix-cache hits land on Mamba block boundaries; vLLM ties them to the

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hybrid_alloc.backend import BACKENDS, ENV_VAR
+from hybrid_alloc.per_group import ENV_VAR as PER_GROUP_ENV_VAR
 
 _PLUGIN_LINE = re.compile(
     r"hybrid_alloc: KV-cache block pool backend is '(?P<backend>\w+)' .*?pid (?P<pid>\d+)"
@@ -192,6 +193,7 @@ def _child_main(args: argparse.Namespace) -> int:
 
     result = {
         "backend": os.environ.get(ENV_VAR),
+        "per_group_pools_env": os.environ.get(PER_GROUP_ENV_VAR),
         "pid": os.getpid(),
         "model": str(args.model),
         "engine_kwargs": engine_kwargs,
@@ -354,6 +356,13 @@ def _parser() -> argparse.ArgumentParser:
         help="schedule each wave only once all its requests reached the engine core "
         "(default: on; makes batches, hence greedy tokens, reproducible)",
     )
+    p.add_argument(
+        "--per-group-pools",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"set {PER_GROUP_ENV_VAR} for the engine (default: inherited; per-group "
+        "pools are on with the rust backend unless it is 0)",
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument(
         "--engine-arg",
@@ -395,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         if os.environ.get(ENV_VAR, "").strip().lower() != args.backend:
             os.environ[ENV_VAR] = args.backend  # before vLLM is imported
+        if args.per_group_pools is not None:
+            os.environ[PER_GROUP_ENV_VAR] = "1" if args.per_group_pools else "0"
         return _child_main(args)
     return _parent_main(args, argv)
 

