@@ -35,10 +35,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import coordinator as pg_coordinator
-from hybrid_alloc.demo.run_demo import engine_run_command
 from hybrid_alloc.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.plugin import install_rust_pool, restore_stock_pool
 from hybrid_alloc.pool_set import PoolLayout, PoolSet
+from tests.engine_pairs import check_pair, run_pair
 
 BLOCK = 16
 MAX_LEN = 1024
@@ -591,7 +591,6 @@ def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-
     from vllm.platforms.interface import Platform
 
     from hybrid_alloc import worker
@@ -652,70 +651,6 @@ def test_switch() -> None:
 # may change, stock against stock too, so the bf16 runs avoid preemption. Mamba2 runs in
 # float32, where outputs do not depend on when a request was preempted: the preemption
 # runs use Nemotron-H in float32.
-E2E_TIMEOUT_S = 400
-
-
-def _run_pair(
-    model: Any,
-    workdir: Any,
-    extra: list[str],
-    own: dict[str, list[str]] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Run stock and per-group engines at once on the same workload; ``own`` adds
-    arguments for one of them (e.g. its pool size)."""
-    import json
-    import os
-    import subprocess
-
-    procs = {}
-    for core, name in enumerate(("stock", "per_group")):
-        cmd = engine_run_command(
-            model,
-            "rust" if name == "per_group" else "vllm",
-            workdir / f"{name}.json",
-            [*extra, *(own or {}).get(name, [])],
-            timeout=E2E_TIMEOUT_S,
-            cpu_bind=core if (os.cpu_count() or 1) >= 2 else None,
-            per_group=name == "per_group",
-        )
-        procs[name] = subprocess.Popen(cmd)
-    results = {}
-    for name, proc in procs.items():
-        rc = proc.wait(timeout=E2E_TIMEOUT_S + 60)
-        log = workdir / f"{name}.log"
-        text = log.read_text(errors="replace") if log.exists() else "(no log)"
-        assert rc == 0, f"{name} engine run failed (exit {rc}):\n{text[-6000:]}"
-        result = json.loads((workdir / f"{name}.json").read_text())
-        assert not result["error_lines"], "\n".join(result["error_lines"])
-        result["log_text"] = text
-        results[name] = result
-    return results
-
-
-def _check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: bool = False) -> None:
-    stock, ours = pair["stock"], pair["per_group"]
-    assert ours["outputs"] == stock["outputs"]
-    assert len({tuple(o) for o in ours["outputs"]}) > len(ours["outputs"]) // 2
-    if preempted:
-        assert stock["metrics"]["preemptions"] > 0
-        assert ours["metrics"]["preemptions"] > 0
-    else:
-        assert stock["metrics"]["preemptions"] == ours["metrics"]["preemptions"] == 0
-        assert ours["metrics"]["prefix_cache_hits"] == stock["metrics"]["prefix_cache_hits"]
-    probe = ours["probe"]["init"]
-    assert probe["coordinator"] == f"hybrid_alloc.coordinator.{coordinator}"
-    assert probe["block_pool"] == "hybrid_alloc.pool_set.PoolSet"
-    assert pair["stock"]["probe"]["init"]["block_pool"] == "vllm.v1.core.block_pool.BlockPool"
-    log = ours["log_text"]
-    assert "hybrid_alloc: per-group KV-cache pools: group" in log
-    assert "Padding mamba page size" not in log
-    assert "Setting attention block size" not in log
-    assert ours["reset_prefix_cache_ok"] is True
-    for event in ("before_reset", "after_reset"):
-        state = ours["probe"][event]
-        assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from hybrid_alloc.demo.tiny_model import write_tiny_hybrid_model
@@ -730,8 +665,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """No prefix caching ('none' mode): same greedy tokens, more token capacity."""
-    pair = _run_pair(tiny_models[family], tmp_path, ["--no-prefix-caching", "--kv-cache-mib", "64"])
-    _check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
+    pair = run_pair(tiny_models[family], tmp_path, ["--no-prefix-caching", "--kv-cache-mib", "64"])
+    check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
     stock, ours = pair["stock"]["capacity"], pair["per_group"]["capacity"]
     assert ours["kv_cache_size_tokens"] > stock["kv_cache_size_tokens"]
 
@@ -740,12 +675,12 @@ def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path:
 def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """Prefix caching ('align' mode), a 20-block attention pool and one request at a
     time: cached prefixes are evicted and hit across two waves, no preemption."""
-    pair = _run_pair(
+    pair = run_pair(
         tiny_models["qwen3_next"],
         tmp_path,
         ["--prefix-caching", "--num-gpu-blocks", "20", "--max-num-seqs", "1"],
     )
-    _check_pair(pair, "PerGroupHybridCoordinator")
+    check_pair(pair, "PerGroupHybridCoordinator")
     ours = pair["per_group"]
     assert ours["metrics"]["prefix_cache_hits"] > 0
     assert ours["metrics"]["block_reuses"] > 0  # cached blocks were evicted and reused
@@ -788,8 +723,8 @@ def test_e2e_under_preemption(case: str, tiny_models: dict[str, Any], tmp_path: 
     steps): same greedy tokens, with and without prefix caching."""
     args, own, coordinator = PREEMPTION_CASES[case]
     extra = [*args, "--engine-arg", "dtype=float32"]
-    pair = _run_pair(tiny_models["nemotron_h"], tmp_path, extra, own)
-    _check_pair(pair, coordinator, preempted=True)
+    pair = run_pair(tiny_models["nemotron_h"], tmp_path, extra, own)
+    check_pair(pair, coordinator, preempted=True)
     if case == "caching":
         assert pair["stock"]["metrics"]["prefix_cache_hits"] > 0
         assert pair["per_group"]["metrics"]["prefix_cache_hits"] > 0

@@ -559,7 +559,7 @@ def _sizing_config(mode: str, max_len: int, max_num_seqs: int = 256) -> SimpleNa
         ),
         speculative_config=None,
         model_config=SimpleNamespace(max_model_len=max_len),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=1),
         max_in_flight_tokens=2048,
     )
 
@@ -594,13 +594,22 @@ def test_ours_matches_the_engine_sizing(name: str, mode: str, vllm_models: dict[
     model, L, kv, seqs = load_model(name), 32768, 160 * GiB + 12345, 64
     p = plan(model, kv, mamba_cache_mode=mode, max_model_len=L, max_num_seqs=seqs)
     vc = _sizing_config(mode, L, seqs)
-    groups = sizing.build_groups(_vllm_specs(model, 0, mode, L, 16, None))
+    specs = _vllm_specs(model, 0, mode, L, 16, None)
+    assert sizing.spec_unsupported_reason([specs]) is None
+    groups = sizing.build_groups(specs)
     plans = sizing.plan_groups(vc, groups)
     sizes = sizing.plan_pool_sizes(vc, plans, kv)
     assert [len(g.layer_names) for g in groups] == [r.num_layers for r in p.ours.rows]
     assert [x.bytes_per_block for x in plans] == [r.block_bytes for r in p.ours.rows]
     assert [x.grows for x in plans] == [r.grows for r in p.ours.rows]
     assert sizes == [r.num_blocks for r in p.ours.rows]
+    # The KV-cache config the engine core would hand the workers: every layer in one
+    # group, unpadded pages, one region per group inside the memory it was given.
+    config = sizing.build_config(vc, plans, sizes)
+    assert sorted(n for g in config.kv_cache_groups for n in g.layer_names) == sorted(specs)
+    assert all(getattr(g.kv_cache_spec, "page_size_padded", None) is None for g in groups)
+    assert [lay.num_blocks for lay in config.pool_layouts] == sizes
+    assert config.kv_cache_tensors[0].size <= kv
 
 
 # --------------------------------------------------------------------------- CLI

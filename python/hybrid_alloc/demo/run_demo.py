@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_alloc.backend import BACKENDS
-from hybrid_alloc.demo.tiny_model import FAMILIES, write_tiny_hybrid_model
+from hybrid_alloc.demo.tiny_model import write_tiny_hybrid_model
 
 # Pool sizes that force preemption and eviction with engine_run's default workload.
 DEFAULT_BLOCKS = {"qwen3_next": 36, "nemotron_h": 12}
+"""The demo's families (bf16, as the drop-in comparison runs them) and their pool sizes;
+``tests/test_e2e_families.py`` runs the other tiny families."""
 # KV memory for the per-group comparison: both layouts size their pools from it.
 PER_GROUP_KV_MIB = 64
 
@@ -168,7 +170,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hybrid_alloc.demo", description=__doc__)
-    p.add_argument("--family", choices=FAMILIES, default="qwen3_next")
+    p.add_argument("--family", choices=list(DEFAULT_BLOCKS), default="qwen3_next")
     p.add_argument(
         "--num-gpu-blocks",
         type=int,
