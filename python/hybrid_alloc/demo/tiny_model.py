@@ -201,10 +201,18 @@ _FAMILY_RULES: dict[str, tuple[_Rule, ...]] = {
         *_MAMBA2_RULES,
         # the shared attention block's output enters each hybrid layer through `linear`
         ((".linear.weight",), "mul", 30.0),
+        (("mamba.in_proj.weight",), "mul", 3.0),
+    ),
+    # Without these the attention layers alone carried the context: with their outputs
+    # zeroed, replacing tokens 16-80 of a 300-token prompt changed none of the next-token
+    # predictions at the prompt's last 16 positions (12 of 16 with them), so a wrong
+    # Mamba2 state went unnoticed (tests/test_tiny_model.py).
+    "nemotron_h": (
+        (("mixer.conv1d.weight",), "mul", 10.0),
+        (("mixer.in_proj.weight",), "mul", 3.0),
     ),
 }
-"""Applied after the shared rules, which stay as they were for ``qwen3_next`` and
-``nemotron_h`` (their weights must not change)."""
+"""Applied after the shared rules."""
 
 
 def make_context_sensitive(model: Any, family: str | None = None) -> None:
@@ -217,7 +225,10 @@ def make_context_sensitive(model: Any, family: str | None = None) -> None:
     a corrupted or wrongly reused KV block would go unnoticed. Here the state decays slowly
     (``A_log = log(1e-3)``), mixer outputs are 10x larger and attention is sharper; with
     these settings replacing any 128-token block of a 760-token prompt changes most of the
-    next 24 greedy tokens (measured with transformers, both families).
+    next 24 greedy tokens (measured with transformers, both families). For ``qwen3_next``
+    the GDN layers carry the context on their own (with the attention output zeroed,
+    14-16 of the next 16 tokens still change); the Mamba2 families need their family
+    rules for that.
 
     ``family`` adds that family's rules from ``_FAMILY_RULES``. For ``qwen3_5``,
     ``falcon_h1`` and ``zamba2``, replacing tokens 16-80 of a 300-token prompt then changes
