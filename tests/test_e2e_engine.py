@@ -13,16 +13,13 @@ cores, 4+ minutes when other work shares them.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hybrid_alloc.demo.run_demo import engine_run_command
+from tests.engine_pairs import run_engines
 
 pytestmark = [
     pytest.mark.e2e,
@@ -34,7 +31,6 @@ pytestmark = [
 
 RUST_POOL = "hybrid_alloc.block_pool.BlockPool"
 STOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
-ENGINE_TIMEOUT_S = 300
 
 # Pool sizes that force preemption (and, with prefix caching, eviction) with
 # engine_run's default workload: 2 waves x 4 prefixes x 3 prompts, 740-token prompts
@@ -45,42 +41,11 @@ NEMOTRON_BLOCKS = 12  # block size 384: 2-3 attention blocks + 1 Mamba2 block/re
 
 
 def _run_pair(model: Path, workdir: Path, extra: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Run engine_run for both backends at once; return {backend: result JSON}."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    two_cores = (os.cpu_count() or 1) >= 2
-    procs = {}
-    for core, backend in enumerate(("rust", "vllm")):
-        cmd = engine_run_command(
-            model,
-            backend,
-            workdir / f"{backend}.json",
-            extra,
-            timeout=ENGINE_TIMEOUT_S,
-            cpu_bind=core if two_cores else None,
-            # The drop-in pool: one shared pool, as stock vLLM sizes it, so that block
-            # IDs and schedules can be compared one for one.
-            per_group=False,
-        )
-        procs[backend] = subprocess.Popen(cmd)
-    codes = {}
-    for backend, proc in procs.items():  # wait for both before judging either
-        try:
-            codes[backend] = proc.wait(timeout=ENGINE_TIMEOUT_S + 60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes[backend] = proc.wait()
-    results = {}
-    for backend, rc in codes.items():
-        out = workdir / f"{backend}.json"
-        log = workdir / f"{backend}.log"
-        tail = log.read_text(errors="replace")[-6000:] if log.exists() else "(no log)"
-        assert rc == 0 and out.exists(), f"{backend} engine run failed (exit {rc}):\n{tail}"
-        result = json.loads(out.read_text())
-        assert not result["error_lines"], f"{backend}: vLLM logged errors:\n" + "\n".join(
-            result["error_lines"]
-        )
-        results[backend] = result
-    return results
+    """Run engine_run for both backends at once; return {backend: result JSON}. Both use
+    the drop-in pool (one shared pool, as stock vLLM sizes it), so that block IDs and
+    schedules can be compared one for one."""
+    runs = {backend: (backend, False, list(extra)) for backend in ("rust", "vllm")}
+    return run_engines(model, workdir, runs)
 
 
 @pytest.fixture(scope="module")
