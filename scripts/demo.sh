@@ -4,6 +4,6 @@
 # print capacity, speed and whether the outputs match token for token.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv=$(bash "$root/scripts/setup_env.sh" | tail -n 1)
+venv=$(bash "$root/scripts/setup_env.sh" 0.32 | tail -n 1)
 cd "$root"
-exec "$venv/bin/python" -m hybrid_alloc.demo "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$venv/bin/python" examples/demo.py "$@"

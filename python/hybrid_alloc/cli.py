@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from hybrid_alloc.backend import selected_backend
 from hybrid_alloc.model_specs import model_from_config
 from hybrid_alloc.planner import (
     ALIGN_CACHE_FACTOR,
@@ -27,6 +26,7 @@ from hybrid_alloc.planner import (
     plan,
     shipped_configs,
 )
+from hybrid_alloc.settings import selected_backend
 
 _UNITS = {
     "": 1,

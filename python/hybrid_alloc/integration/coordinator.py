@@ -1,0 +1,328 @@
+"""KV-cache coordinators whose managers each draw from their own pool.
+
+vLLM 0.32's coordinator builds one pool and hands it to every single-type manager. The
+classes here let vLLM build its coordinator as usual, then give each manager the pool of
+its group from a :class:`~hybrid_alloc.integration.pool_set.PoolSet` (before any block is handed
+out), and put the `PoolSet` where vLLM keeps "the" pool (``coordinator.block_pool``,
+which `KVCacheManager` and the scheduler use).
+
+Admission. `KVCacheManager.allocate_slots` asks the coordinator for one number of blocks
+and compares it with one free count, ``block_pool.get_num_free_blocks()`` (minus the
+watermark and reserved blocks). Here that free count is the primary pool's (the first
+pool that grows with the sequence), and `get_num_blocks_to_allocate` checks every other
+pool against its own free count first: if any cannot hold its groups' share it returns
+more blocks than the primary pool has, so vLLM's comparison refuses the request; else it
+returns the primary pool's share, so vLLM's comparison (watermark and reservation
+included) decides on the pool that grows. No vLLM code changes: the one number keeps its
+meaning for the pool that matters to the watermark, and the others are exact checks.
+
+Install with :func:`install` (idempotent): vLLM's `KVCacheManager` looks up
+``get_kv_cache_coordinator`` in its module when it builds its coordinator; the wrapper
+builds a per-group coordinator only for a :class:`PerGroupKVCacheConfig`, anything else
+gets vLLM's coordinator unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core import kv_cache_manager as _kv_cache_manager
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+)
+from vllm.v1.core.kv_cache_coordinator import (
+    get_kv_cache_coordinator as _stock_get_kv_cache_coordinator,
+)
+from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.integration.pool_set import PoolSet
+
+
+class PerGroupPoolsMixin:
+    """What the per-group coordinators add to vLLM's; mixed in before vLLM's class."""
+
+    pool_set: PoolSet
+    single_type_managers: tuple[Any, ...]
+    retention_interval: int | None
+
+    def _adopt_pool_set(self, pool_set: PoolSet) -> None:
+        """Give every manager its group's pool. Runs right after vLLM's ``__init__``,
+        before any block is allocated, so the pool vLLM built is never used."""
+        if pool_set.num_groups != len(self.single_type_managers):
+            raise ValueError(
+                f"per-group pools: {pool_set.num_groups} groups in the pools, "
+                f"{len(self.single_type_managers)} managers"
+            )
+        for gid, manager in enumerate(self.single_type_managers):
+            pool = pool_set.pool_for_group(gid)
+            manager.block_pool = pool
+            # The managers keep the null block they pad block tables with.
+            manager._null_block = pool.null_block
+        self.pool_set = pool_set
+        # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
+        self.block_pool = pool_set
+
+    def get_num_blocks_to_allocate_per_pool(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> list[int]:
+        """Blocks the request needs from each pool (the same per-manager counts vLLM's
+        coordinator sums in ``KVCacheCoordinator.get_num_blocks_to_allocate``, summed
+        per pool instead)."""
+        need = [0] * len(self.pool_set)
+        if self.retention_interval != 0:
+            prefill_end = 0
+        for gid, manager in enumerate(self.single_type_managers):
+            if isinstance(manager, CrossAttentionManager):
+                n = manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_encoder_tokens,
+                    [],
+                    0,
+                    0,
+                    num_encoder_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
+            else:
+                n = manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[gid],
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap,
+                    prefill_end=prefill_end,
+                )
+            need[self.pool_set.pool_index_of_group(gid)] += n
+        return need
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The primary pool's share if every other pool can hold its own share now;
+        otherwise a count the primary pool can never have free (see the module doc)."""
+        need = self.get_num_blocks_to_allocate_per_pool(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            prefill_end=prefill_end,
+        )
+        primary = self.pool_set.primary_index
+        for idx, free in enumerate(self.pool_set.free_counts()):
+            if idx != primary and need[idx] > free:
+                return self.pool_set.primary.num_gpu_blocks + 1
+        return need[primary]
+
+    def reset_prefix_cache(self) -> bool:
+        """All pools or none (vLLM resets pool by pool and may leave them disagreeing)."""
+        return self.pool_set.reset_prefix_cache()
+
+
+def _build_pool_set(
+    kv_cache_config: PerGroupKVCacheConfig,
+    enable_caching: bool,
+    hash_block_size: int,
+    enable_kv_cache_events: bool,
+    metrics_collector: Any,
+) -> PoolSet:
+    return PoolSet(
+        kv_cache_config.pool_layouts,
+        enable_caching=enable_caching,
+        hash_block_size=hash_block_size,
+        enable_kv_cache_events=enable_kv_cache_events,
+        metrics_collector=metrics_collector,
+    )
+
+
+class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
+    """vLLM's hybrid coordinator (prefix caching on) with one pool per group."""
+
+    def __init__(
+        self,
+        kv_cache_config: PerGroupKVCacheConfig,
+        max_model_len: int,
+        max_in_flight_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: Any = None,
+        num_prefill_lookahead: int = 0,
+        allow_partial_hash_hits: bool = True,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+            num_prefill_lookahead=num_prefill_lookahead,
+            # Sub-block hits copy a Mamba block (copy-on-write); the worker applies such
+            # copies by bare block ID to every layer, which pool-scoped IDs do not allow.
+            allow_partial_hash_hits=False,
+        )
+        pool_set = _build_pool_set(
+            kv_cache_config,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            metrics_collector,
+        )
+        self._adopt_pool_set(pool_set)
+        # vLLM batched the lookup of groups with equal specs because they shared a pool;
+        # with their own pools each is looked up in its own (the check at
+        # ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` compares the
+        # managers' pools).
+        self.verify_and_split_kv_cache_groups()
+
+
+class PerGroupNoPrefixCacheCoordinator(PerGroupPoolsMixin, KVCacheCoordinatorNoPrefixCache):
+    """vLLM's coordinator without prefix caching, with one pool per group."""
+
+    def __init__(
+        self,
+        kv_cache_config: PerGroupKVCacheConfig,
+        max_model_len: int,
+        max_in_flight_tokens: int,
+        use_eagle: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: Any = None,
+        num_prefill_lookahead: int = 0,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+            num_prefill_lookahead=num_prefill_lookahead,
+        )
+        pool_set = _build_pool_set(
+            kv_cache_config, False, hash_block_size, enable_kv_cache_events, metrics_collector
+        )
+        self._adopt_pool_set(pool_set)
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: Any,
+    max_model_len: int,
+    max_in_flight_tokens: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    metrics_collector: Any = None,
+    num_prefill_lookahead: int = 0,
+    allow_partial_hash_hits: bool = True,
+) -> KVCacheCoordinator:
+    """vLLM's factory, except that a `PerGroupKVCacheConfig` with several groups gets a
+    per-group coordinator."""
+    if (
+        not isinstance(kv_cache_config, PerGroupKVCacheConfig)
+        or len(kv_cache_config.kv_cache_groups) < 2
+    ):
+        return _stock_get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector=metrics_collector,
+            num_prefill_lookahead=num_prefill_lookahead,
+            allow_partial_hash_hits=allow_partial_hash_hits,
+        )
+    if not enable_caching:
+        return PerGroupNoPrefixCacheCoordinator(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+            num_prefill_lookahead=num_prefill_lookahead,
+        )
+    return PerGroupHybridCoordinator(
+        kv_cache_config,
+        max_model_len,
+        max_in_flight_tokens,
+        use_eagle,
+        enable_caching,
+        enable_kv_cache_events,
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        metrics_collector=metrics_collector,
+        num_prefill_lookahead=num_prefill_lookahead,
+    )
+
+
+def install() -> None:
+    """Make vLLM's `KVCacheManager` build its coordinator through
+    :func:`get_kv_cache_coordinator` (idempotent)."""
+    _kv_cache_manager.get_kv_cache_coordinator = get_kv_cache_coordinator  # type: ignore[assignment]
+
+
+def uninstall() -> None:
+    _kv_cache_manager.get_kv_cache_coordinator = _stock_get_kv_cache_coordinator  # type: ignore[assignment]
+
+
+def is_installed() -> bool:
+    return _kv_cache_manager.get_kv_cache_coordinator is get_kv_cache_coordinator

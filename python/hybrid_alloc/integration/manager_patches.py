@@ -1,0 +1,106 @@
+"""Batched replacements for two per-block loops in vLLM's KV-cache managers.
+
+* ``FullAttentionManager.find_longest_cache_hit`` asks the pool for one block hash at a
+  time. With the Rust pool, the plain case (no context parallelism, no fine-grained partial
+  hits) becomes one call per request: ``get_cached_prefix`` walks the hashes in Rust and
+  stops at the first miss. The rounding that follows (EAGLE's dropped block, alignment) is
+  the same arithmetic vLLM applies. Every other case goes to vLLM's own method unchanged.
+* ``SingleTypeKVCacheManager._get_num_evictable_blocks`` reads ``ref_cnt`` and ``is_null``
+  of every prefix-hit block on each admission; with the Rust pool the count is one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+from vllm.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+)
+
+from hybrid_alloc.integration.block_pool import BlockPool
+
+_ATTR = "find_longest_cache_hit"
+_stock_method: Any = None
+_EVICTABLE = "_get_num_evictable_blocks"
+_stock_evictable: Any = None
+
+
+def _batched_num_evictable_blocks(cls: Any, blocks: Any) -> int:
+    if blocks:
+        pool = getattr(blocks[0], "pool", None)
+        if isinstance(pool, BlockPool):
+            return pool.count_evictable(blocks)  # type: ignore[no-any-return]
+    return _stock_evictable.__func__(cls, blocks)  # type: ignore[no-any-return]
+
+
+def _batched_find_longest_cache_hit(
+    cls: Any,
+    block_hashes: Any,
+    max_length: int,
+    kv_cache_group_ids: list[int],
+    block_pool: Any,
+    kv_cache_spec: Any,
+    drop_eagle_block: bool,
+    alignment_tokens: int,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+) -> tuple[tuple[list[Any], ...], int]:
+    block_size = kv_cache_spec.block_size
+    fine_grained = alignment_tokens < block_size and block_size % alignment_tokens == 0
+    if (
+        not isinstance(block_pool, BlockPool)
+        or dcp_world_size > 1
+        or pcp_world_size > 1
+        or fine_grained
+    ):
+        return _stock_method.__func__(  # type: ignore[no-any-return]
+            cls,
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            drop_eagle_block,
+            alignment_tokens,
+            dcp_world_size,
+            pcp_world_size,
+        )
+    hashes = resolve_block_hashes(
+        block_hashes,
+        block_pool.hash_block_size,
+        block_size,
+        supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+        alignment_tokens=alignment_tokens,
+    )
+    found = block_pool.get_cached_prefix(hashes, list(kv_cache_group_ids), max_length // block_size)
+    hit_length = len(found[0]) * block_size
+    if drop_eagle_block and hit_length > 0:
+        hit_length -= min(alignment_tokens, block_size)
+    hit_length -= hit_length % alignment_tokens
+    num_blocks = -(-hit_length // block_size)
+    for blocks in found:
+        del blocks[num_blocks:]
+    return found, hit_length
+
+
+def install() -> None:
+    """Install the batched versions (idempotent)."""
+    global _stock_method, _stock_evictable
+    if _stock_method is None:
+        _stock_method = FullAttentionManager.__dict__[_ATTR]
+        _stock_evictable = SingleTypeKVCacheManager.__dict__[_EVICTABLE]
+    setattr(FullAttentionManager, _ATTR, classmethod(_batched_find_longest_cache_hit))
+    setattr(SingleTypeKVCacheManager, _EVICTABLE, classmethod(_batched_num_evictable_blocks))
+
+
+def uninstall() -> None:
+    """Put vLLM's own methods back."""
+    if _stock_method is not None:
+        setattr(FullAttentionManager, _ATTR, _stock_method)
+        setattr(SingleTypeKVCacheManager, _EVICTABLE, _stock_evictable)
+
+
+def is_installed() -> bool:
+    return FullAttentionManager.__dict__[_ATTR] is not _stock_method and _stock_method is not None

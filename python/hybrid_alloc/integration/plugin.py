@@ -1,0 +1,86 @@
+"""The vLLM plugin (entry point ``vllm.general_plugins: hybrid_alloc``).
+
+vLLM runs general plugins once per process before it builds the KV-cache coordinator and
+the scheduler, including in the engine-core process that owns them. :func:`register`
+reads the two switches (:mod:`hybrid_alloc.settings`), checks that the installed vLLM is a
+release hybrid_alloc was tested against (:mod:`.versions`) and installs the Rust pool
+(:func:`hybrid_alloc.integration.install`).
+
+On a vLLM it was not tested against, nothing is patched: vLLM stays stock and one warning
+names the supported releases, unless ``HYBRID_ALLOC_BACKEND=rust`` was set explicitly, in
+which case startup stops with that message. This module imports only vLLM's logger until
+the version is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hybrid_alloc import integration
+from hybrid_alloc.integration import versions
+from hybrid_alloc.settings import (
+    ENV_VAR,
+    backend_is_explicit,
+    per_group_pools_enabled,
+    selected_backend,
+)
+
+
+def _logger() -> logging.Logger:
+    # vLLM's own logger factory: it configures vLLM's logging, so the line is printed even
+    # in a process where the plugin runs before vLLM has logged anything.
+    try:
+        from vllm.logger import init_logger
+
+        return init_logger("vllm.hybrid_alloc")
+    except ImportError:  # pragma: no cover - a vLLM without its logger module
+        return logging.getLogger("vllm.hybrid_alloc")
+
+
+logger = _logger()
+_active: str | None = None
+
+
+def register() -> None:
+    """Entry point: install the selected backend in this process (idempotent).
+
+    Raises:
+        ValueError: a switch has a value that is not understood.
+        RuntimeError: ``HYBRID_ALLOC_BACKEND=rust`` was set explicitly on a vLLM release
+            hybrid_alloc was not tested against.
+    """
+    global _active
+    backend = selected_backend()  # raises ValueError, failing startup, on a bad value
+    per_group = per_group_pools_enabled() and backend == "rust"
+    version = versions.installed_version()
+    if backend == "rust" and not versions.is_supported(version):
+        message = versions.unsupported_message(version)
+        if backend_is_explicit():
+            raise RuntimeError(f"{ENV_VAR}=rust: {message}")
+        if _active != "unsupported":
+            logger.warning("hybrid_alloc: %s", message)
+        integration.uninstall()
+        _active = "unsupported"
+        return
+    if backend == "rust":
+        integration.install(per_group_pools=per_group)
+    else:
+        integration.uninstall()
+    if _active == backend:
+        return
+    _active = backend
+    logger.info(
+        "hybrid_alloc: KV-cache block pool backend is '%s' (%s, pid %d, vLLM %s)%s",
+        backend,
+        ENV_VAR,
+        os.getpid(),
+        version,
+        ", per-group pools on" if per_group else "",
+    )
+
+
+def active_backend() -> str | None:
+    """The backend installed in this process (``'unsupported'`` when vLLM was left stock
+    because of its version), or None if the plugin has not run."""
+    return _active

