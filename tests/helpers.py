@@ -298,3 +298,57 @@ def check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: boo
     for event in ("before_reset", "after_reset"):
         state = ours["probe"][event]
         assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
+
+
+# ----------------------------------------------------------- per-group layouts
+MAX_LEN = 1024
+"""max_model_len of the per-group layouts: vLLM sizes a 'none'-mode Mamba block to it."""
+
+
+def state_mamba(mode: str) -> Any:
+    """A Mamba spec as vLLM builds it for a hybrid model: 'none'-mode blocks hold one
+    request's whole state (block size = max_model_len), 'align'-mode blocks are as long as
+    attention blocks."""
+    return MambaSpec(
+        block_size=BLOCK if mode == "align" else MAX_LEN,
+        shapes=((4, 64), (8, 16, 16)),
+        dtypes=(torch.bfloat16, torch.bfloat16),
+        mamba_cache_mode=mode,
+    )
+
+
+def fake_vllm_config(
+    mode: str = "none",
+    max_num_seqs: int = 16,
+    override: int | None = None,
+    caching: bool = False,
+) -> Any:
+    """The fields of VllmConfig that per-group sizing reads."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_num_seqs, disable_hybrid_kv_cache_manager=False
+        ),
+        cache_config=SimpleNamespace(
+            num_gpu_blocks_override=override,
+            mamba_cache_mode=mode,
+            enable_prefix_caching=caching,
+            prefix_match_unit=None,
+            prefix_cache_retention_interval=0,
+            get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC,
+        ),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, original_max_model_len=MAX_LEN),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+            tensor_parallel_size=1,
+        ),
+        kv_transfer_config=None,
+        attention_config=SimpleNamespace(hisparse_config=None),
+        speculative_config=None,
+        max_in_flight_tokens=256,
+    )

@@ -151,6 +151,7 @@ def _build_pool_set(
     hash_block_size: int,
     enable_kv_cache_events: bool,
     metrics_collector: Any,
+    extra: dict[str, Any],
 ) -> PoolSet:
     return PoolSet(
         kv_cache_config.pool_layouts,
@@ -158,6 +159,7 @@ def _build_pool_set(
         hash_block_size=hash_block_size,
         enable_kv_cache_events=enable_kv_cache_events,
         metrics_collector=metrics_collector,
+        num_hash_lookahead_tokens=extra.get("num_hash_lookahead_tokens", 0),
     )
 
 
@@ -179,6 +181,7 @@ class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
         metrics_collector: Any = None,
         num_prefill_lookahead: int = 0,
         allow_partial_hash_hits: bool = True,
+        **extra: Any,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -196,6 +199,7 @@ class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
             # Sub-block hits copy a Mamba block (copy-on-write); the worker applies such
             # copies by bare block ID to every layer, which pool-scoped IDs do not allow.
             allow_partial_hash_hits=False,
+            **extra,
         )
         pool_set = _build_pool_set(
             kv_cache_config,
@@ -203,6 +207,7 @@ class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
             hash_block_size,
             enable_kv_cache_events,
             metrics_collector,
+            extra,
         )
         self._adopt_pool_set(pool_set)
         # vLLM batched the lookup of groups with equal specs because they shared a pool;
@@ -228,6 +233,7 @@ class PerGroupNoPrefixCacheCoordinator(PerGroupPoolsMixin, KVCacheCoordinatorNoP
         hash_block_size: int,
         metrics_collector: Any = None,
         num_prefill_lookahead: int = 0,
+        **extra: Any,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -241,9 +247,15 @@ class PerGroupNoPrefixCacheCoordinator(PerGroupPoolsMixin, KVCacheCoordinatorNoP
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
             num_prefill_lookahead=num_prefill_lookahead,
+            **extra,
         )
         pool_set = _build_pool_set(
-            kv_cache_config, False, hash_block_size, enable_kv_cache_events, metrics_collector
+            kv_cache_config,
+            False,
+            hash_block_size,
+            enable_kv_cache_events,
+            metrics_collector,
+            extra,
         )
         self._adopt_pool_set(pool_set)
 
@@ -262,9 +274,11 @@ def get_kv_cache_coordinator(
     metrics_collector: Any = None,
     num_prefill_lookahead: int = 0,
     allow_partial_hash_hits: bool = True,
+    **extra: Any,
 ) -> KVCacheCoordinator:
     """vLLM's factory, except that a `PerGroupKVCacheConfig` with several groups gets a
-    per-group coordinator."""
+    per-group coordinator. ``extra``: keyword arguments of the installed release that
+    0.32 does not have (0.33: ``num_hash_lookahead_tokens``), passed on unchanged."""
     if (
         not isinstance(kv_cache_config, PerGroupKVCacheConfig)
         or len(kv_cache_config.kv_cache_groups) < 2
@@ -283,6 +297,7 @@ def get_kv_cache_coordinator(
             metrics_collector=metrics_collector,
             num_prefill_lookahead=num_prefill_lookahead,
             allow_partial_hash_hits=allow_partial_hash_hits,
+            **extra,
         )
     if not enable_caching:
         return PerGroupNoPrefixCacheCoordinator(
@@ -297,6 +312,7 @@ def get_kv_cache_coordinator(
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
             num_prefill_lookahead=num_prefill_lookahead,
+            **extra,
         )
     return PerGroupHybridCoordinator(
         kv_cache_config,
@@ -311,6 +327,7 @@ def get_kv_cache_coordinator(
         hash_block_size=hash_block_size,
         metrics_collector=metrics_collector,
         num_prefill_lookahead=num_prefill_lookahead,
+        **extra,
     )
 
 

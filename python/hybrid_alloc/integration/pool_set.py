@@ -61,6 +61,7 @@ class PoolSet:
         enable_kv_cache_events: bool = False,
         metrics_collector: Any = None,
         medium: str = MEDIUM_GPU,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not layouts:
             raise ValueError("PoolSet: at least one pool is needed")
@@ -83,6 +84,13 @@ class PoolSet:
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = enable_kv_cache_events
         self.medium = medium
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        # vLLM 0.33's pools take the lookahead; 0.32's never see a non-zero one.
+        lookahead = (
+            {"num_hash_lookahead_tokens": num_hash_lookahead_tokens}
+            if num_hash_lookahead_tokens
+            else {}
+        )
         self.pools: tuple[BlockPool, ...] = tuple(
             BlockPool(
                 layout.num_blocks,
@@ -91,6 +99,7 @@ class PoolSet:
                 enable_kv_cache_events,
                 metrics_collector,
                 medium=medium,
+                **lookahead,
                 label=layout.label or f"pool{idx}[groups {','.join(map(str, layout.group_ids))}]",
             )
             for idx, layout in enumerate(layouts)

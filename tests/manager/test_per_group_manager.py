@@ -1,0 +1,370 @@
+"""Per-group pools under vLLM's own `KVCacheManager` (hybrid specs: full attention + Mamba
+in 'none' and 'align' mode), and the KV-cache config that carries them.
+
+* With ample pools, the per-group coordinator admits, hits and decodes exactly as vLLM's
+  shared pool does (block IDs differ: they are pool-scoped).
+* Every block a group holds comes from that group's pool; per-pool counts add up.
+* Admission checks each pool's own free count: a full Mamba pool refuses a request even
+  with attention blocks to spare, and the other way round.
+* Eviction by (group, IDs) never touches another pool; a bare ID set is refused.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+from hybrid_alloc import integration
+from hybrid_alloc.integration import coordinator as pg_coordinator
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
+from tests.helpers import BLOCK, MAX_LEN, attn
+from tests.helpers import state_mamba as mamba
+
+LAYOUTS: dict[str, list[Any]] = {
+    "full+mamba_none": [attn(), mamba("none")],
+    "full+mamba_align": [attn(), mamba("align")],
+    "full+swa+mamba_align": [attn(), attn(window=32), mamba("align")],
+}
+
+
+def caching(layout: str) -> bool:
+    # vLLM runs Mamba in 'none' mode only without prefix caching (it switches to 'align').
+    return "none" not in layout
+
+
+@contextmanager
+def installed() -> Iterator[None]:
+    integration.install(per_group_pools=False)
+    pg_coordinator.install()
+    try:
+        yield
+    finally:
+        pg_coordinator.uninstall()
+        integration.uninstall()
+
+
+def group_specs(layout: str) -> list[KVCacheGroupSpec]:
+    return [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(LAYOUTS[layout])]
+
+
+def per_group_config(layout: str, sizes: list[int]) -> PerGroupKVCacheConfig:
+    """Group i draws from pool i with ``sizes[i]`` blocks; Mamba pools do not grow."""
+    specs = LAYOUTS[layout]
+    pools = tuple(
+        PoolLayout((i,), n, grows=not isinstance(spec, MambaSpec), label=f"g{i}")
+        for i, (spec, n) in enumerate(zip(specs, sizes, strict=True))
+    )
+    primary = next(p for p in pools if p.grows)
+    return PerGroupKVCacheConfig(
+        num_blocks=primary.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=group_specs(layout),
+        pool_layouts=pools,
+    )
+
+
+def build(config: KVCacheConfig, layout: str, events: bool = False) -> KVCacheManager:
+    block_sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+    sched = max(block_sizes)
+    return KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=sched,
+        hash_block_size=BLOCK if caching(layout) else sched,
+        enable_caching=caching(layout),
+        enable_kv_cache_events=events,
+    )
+
+
+class Driver:
+    """Admit / decode / finish requests on one manager; log what vLLM decided."""
+
+    def __init__(self, mgr: KVCacheManager, layout: str) -> None:
+        self.mgr = mgr
+        sched = max(g.kv_cache_spec.block_size for g in mgr.kv_cache_config.kv_cache_groups)
+        self.hasher = get_request_block_hasher(BLOCK if caching(layout) else sched, sha256)
+        self.running: dict[str, Request] = {}
+        self.log: list[Any] = []
+
+    def admit(self, rid: str, tokens: list[int], max_tokens: int) -> bool:
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=max_tokens),
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
+        new = self.mgr.allocate_slots(
+            req,
+            req.num_tokens - num_hit,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=blocks,
+            full_sequence_must_fit=True,
+        )
+        self.log.append(("admit", rid, num_hit, new is not None))
+        if new is None:
+            return False
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = req.num_tokens
+        req.append_output_token_ids(7)
+        self.running[rid] = req
+        return True
+
+    def decode(self, rid: str, token: int) -> bool:
+        req = self.running[rid]
+        new = self.mgr.allocate_slots(req, 1)
+        self.log.append(("decode", rid, new is not None))
+        if new is None:
+            return False
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(token)
+        return True
+
+    def finish(self, rid: str) -> None:
+        self.mgr.free(self.running.pop(rid))
+        self.log.append(("free", rid))
+
+
+def make_requests(seed: int, n: int) -> list[tuple[str, list[int], int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(5000) for _ in range(rng.choice([16, 48, 64, 96]))] for _ in "abc"]
+    out = []
+    for i in range(n):
+        suffix = 0 if rng.random() < 0.3 else rng.randrange(1, 60)
+        tokens = rng.choice(prefixes) + [rng.randrange(5000) for _ in range(suffix)]
+        out.append((f"r{i}", tokens, rng.randrange(1, 40)))
+    return out
+
+
+def run(d: Driver, seed: int, check: Any = None) -> list[Any]:
+    """Waves of admissions and decodes; preempt (free and requeue) on a failed decode."""
+    rng = random.Random(seed * 7919)
+    pending = make_requests(seed, 24)
+    remaining = {rid: m for rid, _, m in pending}
+    token = 11
+    for _ in range(300):
+        if not pending and not d.running:
+            break
+        d.mgr.new_step_starts()
+        for _ in range(rng.randrange(1, 4)):
+            if pending and d.admit(*pending[0]):
+                pending.pop(0)
+        for rid in list(d.running):
+            token = (token * 31 + 7) % 5000
+            if not d.decode(rid, token):
+                req = d.running[rid]
+                d.finish(rid)
+                pending.append((rid, list(req.prompt_token_ids or []), remaining[rid]))
+                continue
+            remaining[rid] -= 1
+            if remaining[rid] <= 0:
+                d.finish(rid)
+        if check is not None:
+            check(d)
+    return d.log
+
+
+def check_pools(d: Driver) -> None:
+    """Every block a group holds is a block of that group's pool; counts add up."""
+    pools: PoolSet = d.mgr.coordinator.pool_set  # type: ignore[attr-defined]
+    held: list[set[int]] = [set() for _ in pools]
+    for gid, manager in enumerate(d.mgr.coordinator.single_type_managers):
+        pool = pools.pool_for_group(gid)
+        assert manager.block_pool is pool
+        for blocks in manager.req_to_blocks.values():
+            for b in blocks:
+                assert b.pool is pool, (gid, b.block_id)
+                assert 0 <= b.block_id < pool.num_gpu_blocks
+                if not b.is_null:
+                    held[pools.pool_index_of_group(gid)].add(b.block_id)
+    for idx, pool in enumerate(pools):
+        refs = pool.ref_counts()
+        assert all(refs[bid] > 0 for bid in held[idx])
+        in_use = sum(1 for c in refs[1:] if c > 0)
+        assert pool.get_num_free_blocks() + in_use == pool.num_gpu_blocks - 1
+    pools.check_invariants()
+
+
+# ---------------------------------------------------------------- differential
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@settings(max_examples=6)
+@given(seed=st.integers(0, 10_000))
+def test_ample_pools_decide_like_vllm(layout: str, seed: int) -> None:
+    """Nothing is evicted with ample pools, so hits, admissions and decodes are vLLM's."""
+    n = len(LAYOUTS[layout])
+    with installed():
+        stock_mgr = build(
+            KVCacheConfig(
+                num_blocks=4000, kv_cache_tensors=[], kv_cache_groups=group_specs(layout)
+            ),
+            layout,
+        )
+        ours = build(per_group_config(layout, [2000] * n), layout)
+    assert type(stock_mgr.coordinator).__module__.startswith("vllm.")
+    assert isinstance(ours.coordinator, pg_coordinator.PerGroupPoolsMixin)
+    stock_log = run(Driver(stock_mgr, layout), seed)
+    our_log = run(Driver(ours, layout), seed, check_pools)
+    assert our_log == stock_log
+    if caching(layout):
+        assert any(e[0] == "admit" and e[2] > 0 for e in our_log), "no prefix hit"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@settings(max_examples=6)
+@given(
+    seed=st.integers(0, 10_000), attn_blocks=st.integers(30, 90), mamba_blocks=st.integers(3, 30)
+)
+def test_tight_pools_stay_consistent(
+    layout: str, seed: int, attn_blocks: int, mamba_blocks: int
+) -> None:
+    """Small pools: preemption, eviction and refusals happen; pools stay apart."""
+    sizes = [mamba_blocks if isinstance(s, MambaSpec) else attn_blocks for s in LAYOUTS[layout]]
+    with installed():
+        mgr = build(per_group_config(layout, sizes), layout)
+    d = Driver(mgr, layout)
+    run(d, seed, check_pools)
+    for rid in list(d.running):
+        d.finish(rid)
+    pools = mgr.coordinator.pool_set  # type: ignore[attr-defined]
+    assert pools.free_counts() == tuple(n - 1 for n in sizes)
+    assert mgr.reset_prefix_cache()
+
+
+def test_no_manager_keeps_the_pool_vllm_built() -> None:
+    """vLLM's coordinator builds one pool before we hand out ours: no manager may keep a
+    reference to it (or to one of its blocks)."""
+    import vllm.v1.core.kv_cache_coordinator as coord_module
+
+    built: list[Any] = []
+    with installed():
+        rust_pool = coord_module.BlockPool
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            built.append(rust_pool(*args, **kwargs))
+            return built[-1]
+
+        coord_module.BlockPool = recording  # type: ignore[misc,assignment]
+        try:
+            for layout in LAYOUTS:
+                mgr = build(per_group_config(layout, [50] * len(LAYOUTS[layout])), layout)
+                for gid, manager in enumerate(mgr.coordinator.single_type_managers):
+                    own = mgr.coordinator.pool_set.pool_for_group(gid)  # type: ignore[attr-defined]
+                    for value in vars(manager).values():
+                        assert all(value is not pool for pool in built), (layout, gid)
+                        pool = getattr(value, "pool", None)
+                        assert pool is None or pool is own, (layout, gid, value)
+        finally:
+            coord_module.BlockPool = rust_pool  # type: ignore[misc]
+    assert len(built) == len(LAYOUTS)
+
+
+# ------------------------------------------------------------------- admission
+def _req(d: Driver, rid: str, n: int) -> bool:
+    return d.admit(rid, [random.Random(rid).randrange(5000) for _ in range(n)], 8)
+
+
+def test_full_mamba_pool_refuses_even_with_attention_room() -> None:
+    layout = "full+mamba_none"
+    with installed():
+        mgr = build(per_group_config(layout, [200, 3]), layout)  # 2 usable Mamba blocks
+    d = Driver(mgr, layout)
+    assert _req(d, "a", 20) and _req(d, "b", 20)
+    free_attn = mgr.block_pool.get_num_free_blocks()
+    assert free_attn > 100
+    assert not _req(d, "c", 20)  # Mamba pool empty: one block per request in 'none' mode
+    d.finish("a")
+    assert _req(d, "c", 20)
+    check_pools(d)
+
+
+def test_full_attention_pool_refuses_even_with_mamba_room() -> None:
+    layout = "full+mamba_none"
+    with installed():
+        mgr = build(per_group_config(layout, [5, 50]), layout)  # 4 usable attention blocks
+    d = Driver(mgr, layout)
+    assert _req(d, "a", 40)  # 3 blocks
+    assert not _req(d, "b", 40)
+    assert mgr.coordinator.pool_set.free_counts() == (1, 48)  # type: ignore[attr-defined]
+    d.finish("a")
+    assert _req(d, "b", 40)
+
+
+def test_per_pool_needs() -> None:
+    layout = "full+swa+mamba_align"
+    with installed():
+        mgr = build(per_group_config(layout, [100, 100, 20]), layout)
+    coord = mgr.coordinator
+    args = ("x", 100, mgr.empty_kv_cache_blocks.blocks, 0, 0, 0, 100)
+    need = coord.get_num_blocks_to_allocate_per_pool(*args)  # type: ignore[attr-defined]
+    # 7 full-attention blocks, SWA blocks covering the window, Mamba state blocks.
+    assert need[0] == 7 and 0 < need[1] <= 7 and 0 < need[2] <= 3
+    assert coord.get_num_blocks_to_allocate(*args) == need[0]
+
+
+# ------------------------------------------------------------------- eviction
+def test_manager_eviction_is_per_group() -> None:
+    layout = "full+mamba_align"
+    with installed():
+        mgr = build(per_group_config(layout, [64, 64]), layout, events=True)
+    d = Driver(mgr, layout)
+    tokens = list(range(100, 164))
+    assert d.admit("a", tokens, 4)
+    ids = mgr.get_block_ids("a")
+    d.finish("a")
+    pools = mgr.coordinator.pool_set  # type: ignore[attr-defined]
+    mamba_before = sorted(pools.pools[1].cache_entries())
+    assert mamba_before, "align mode caches Mamba state"
+    with pytest.raises(TypeError, match="scoped"):
+        mgr.evict_blocks(set(ids[0]))
+    mgr.evict_blocks({0: ids[0]})  # type: ignore[arg-type]
+    assert pools.pools[0].cache_entries() == []
+    assert sorted(pools.pools[1].cache_entries()) == mamba_before
+    events = mgr.take_events()
+    assert {e.group_idx for e in events if type(e).__name__ == "BlockStored"} == {0, 1}
+    assert {e.group_idx for e in events if type(e).__name__ == "BlockRemoved"} == {0}
+
+
+def test_stock_config_gets_stock_coordinator() -> None:
+    layout = "full+mamba_align"
+    with installed():
+        mgr = build(
+            KVCacheConfig(num_blocks=50, kv_cache_tensors=[], kv_cache_groups=group_specs(layout)),
+            layout,
+        )
+    assert not isinstance(mgr.coordinator, pg_coordinator.PerGroupPoolsMixin)
+    assert not pg_coordinator.is_installed()
+
+
+# ------------------------------------------------------------------- config
+def test_config_num_blocks_of_tensor_is_its_groups() -> None:
+    config = per_group_config("full+mamba_none", [40, 9])
+    t_attn = KVCacheTensor(size=1, layers=["layers.0"], layer_stride=1, block_stride=1)
+    t_mamba = KVCacheTensor(size=1, layers=["layers.1"], layer_stride=1, block_stride=1)
+    assert config.num_blocks_of(t_attn) == 40 and config.num_blocks_of(t_mamba) == 9
+    assert not config.needs_kv_cache_zeroing
+    with pytest.raises(ValueError, match="exactly once"):
+        PerGroupKVCacheConfig(
+            num_blocks=4,
+            kv_cache_tensors=[],
+            kv_cache_groups=group_specs("full+mamba_none"),
+            pool_layouts=(PoolLayout((0,), 4, True),),
+        )
