@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
-from hybrid_alloc.integration.pool_set import PoolLayout
+from hybrid_alloc.integration.pool_set import PoolLayout, pool_of_each_group
 
 
 @dataclass
@@ -27,11 +27,11 @@ class PerGroupKVCacheConfig(KVCacheConfig):
     """One entry per pool; every group index appears in exactly one."""
 
     def __post_init__(self) -> None:
-        seen = sorted(g for layout in self.pool_layouts for g in layout.group_ids)
-        if seen != list(range(len(self.kv_cache_groups))):
+        owner = pool_of_each_group(self.pool_layouts)
+        if len(owner) != len(self.kv_cache_groups):
             raise ValueError(
-                f"PerGroupKVCacheConfig: pools cover groups {seen}, expected each of "
-                f"0..{len(self.kv_cache_groups) - 1} exactly once"
+                f"PerGroupKVCacheConfig: pools cover groups {sorted(owner)}, expected each "
+                f"of 0..{len(self.kv_cache_groups) - 1} exactly once"
             )
 
     def layout_of_group(self, group_id: int) -> PoolLayout:

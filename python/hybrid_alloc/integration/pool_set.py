@@ -44,6 +44,32 @@ class PoolLayout:
     label: str = ""
 
 
+def pool_of_each_group(layouts: Sequence[PoolLayout]) -> dict[int, int]:
+    """{group: index of the layout that serves it}, checking that the layouts cover the
+    groups 0..n-1, each exactly once (every group draws from exactly one pool).
+
+    Raises:
+        ValueError: a layout serves no group, a group is served twice, or groups are
+            missing.
+    """
+    if not layouts:
+        raise ValueError("per-group pools: at least one pool is needed")
+    owner: dict[int, int] = {}
+    for idx, layout in enumerate(layouts):
+        if not layout.group_ids:
+            raise ValueError(f"per-group pools: pool {idx} serves no group")
+        for gid in layout.group_ids:
+            if gid in owner:
+                raise ValueError(
+                    f"per-group pools: group {gid} is in pools {owner[gid]} and {idx}; "
+                    "every group must draw from exactly one pool"
+                )
+            owner[gid] = idx
+    if sorted(owner) != list(range(len(owner))):
+        raise ValueError(f"per-group pools: groups must be 0..n-1, got {sorted(owner)}")
+    return owner
+
+
 class PoolSet:
     """The pools of one KV-cache coordinator, one per `PoolLayout`.
 
@@ -63,22 +89,8 @@ class PoolSet:
         medium: str = MEDIUM_GPU,
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        if not layouts:
-            raise ValueError("PoolSet: at least one pool is needed")
-        owner: dict[int, int] = {}
-        for idx, layout in enumerate(layouts):
-            if not layout.group_ids:
-                raise ValueError(f"PoolSet: pool {idx} serves no group")
-            for gid in layout.group_ids:
-                if gid in owner:
-                    raise ValueError(
-                        f"PoolSet: group {gid} is in pools {owner[gid]} and {idx}; "
-                        "every group must draw from exactly one pool"
-                    )
-                owner[gid] = idx
+        owner = pool_of_each_group(layouts)
         num_groups = len(owner)
-        if sorted(owner) != list(range(num_groups)):
-            raise ValueError(f"PoolSet: groups must be 0..n-1, got {sorted(owner)}")
         self.layouts: tuple[PoolLayout, ...] = tuple(layouts)
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
