@@ -126,8 +126,10 @@ def report(p: Plan, out: TextIO | None = None) -> None:
     _group_table(ours, out)
     if not ours.feasible:
         print(
-            f"  !! the fixed pools for {prm.max_num_seqs} sequences do not fit: "
-            f"{format_bytes(ours.shortfall_bytes)} short (lower --max-num-seqs or add memory)",
+            f"  !! the fixed pools for {prm.max_num_seqs} sequences and one "
+            f"{prm.max_model_len:,}-token request do not fit: "
+            f"{format_bytes(ours.shortfall_bytes)} short (lower --max-num-seqs or "
+            "--max-model-len, or add memory)",
             file=out,
         )
     print(file=out)

@@ -6,7 +6,8 @@ The state shapes follow vLLM 0.32's ``MambaStateShapeCalculator`` and each model
 parallel size 1 and the default ``SD`` conv-state layout (layout does not change the size).
 
 Supported families (``model_type``): ``qwen3_next``, ``qwen3_5`` / ``qwen3_5_moe`` (Qwen3.5 and
-Qwen3.6; GDN linear attention + full attention), ``nemotron_h`` (Mamba2 + attention),
+Qwen3.6; GDN linear attention + full attention), ``nemotron_h`` (Mamba2 + attention; all
+attention layers sliding-window where the config sets ``sliding_window``, as in vLLM),
 ``jamba`` (Mamba1 + attention), ``falcon_h1`` (attention and Mamba2 in every layer) and
 ``zamba2`` (Mamba2 everywhere, shared attention blocks in the hybrid layers).
 """
@@ -240,7 +241,16 @@ def _qwen_layers(text: Mapping[str, Any], dt: DTypes) -> tuple[LayerSpec, ...]:
 def _nemotron_h_layers(text: Mapping[str, Any], dt: DTypes) -> tuple[LayerSpec, ...]:
     pattern = text.get("hybrid_override_pattern")
     if pattern is None:
-        names = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+        # Older configs name the blocks mamba / attention, transformers' current ones
+        # linear_attention / full_attention.
+        names = {
+            "mamba": "M",
+            "linear_attention": "M",
+            "attention": "*",
+            "full_attention": "*",
+            "mlp": "-",
+            "moe": "E",
+        }
         pattern = "".join(names[t] for t in text["layers_block_type"])
     mamba = _mamba2(
         dt,
@@ -251,7 +261,8 @@ def _nemotron_h_layers(text: Mapping[str, Any], dt: DTypes) -> tuple[LayerSpec, 
         state_size=int(text["ssm_state_size"]),
         conv_kernel=int(text["conv_kernel"]),
     )
-    attn = _attention(text, dt)
+    # vLLM's Nemotron-H passes the config's sliding_window to every attention layer.
+    attn = _attention(text, dt, "sliding" if text.get("sliding_window") else "full")
     # '-' (MLP) and 'E' (MoE) layers hold no cache.
     return tuple(mamba if c == "M" else attn for c in pattern if c in "M*")
 

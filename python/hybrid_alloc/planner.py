@@ -8,43 +8,40 @@ sizes three layouts and reports token capacity and maximum concurrency for each:
   to it; every KV-cache group then aliases one ``num_blocks`` of ``bytes_per_block`` (the
   largest group's bytes); capacity is ``get_max_concurrency_for_kv_cache_config`` (blocks over
   the per-request blocks of *every* group) times ``max_model_len``.
-* **ours** - what :mod:`hybrid_alloc.sizing` builds at engine start: one KV-cache group per
-  distinct layer spec (no equal-size split, so one null block per spec), one pool per group
-  at its natural page size, no unification or padding, each pool in its own 4 KiB-aligned
-  region. Pools whose per-request need is bounded are sized first for ``max_num_seqs``
-  requests; the memory left goes to the groups that grow with sequence length, split so that
-  they all reach the same token count. Capacity counts only the growing groups.
+* **ours** - per-group pools as the engine core builds them: one KV-cache group per distinct
+  layer spec (no equal-size split, so one null block per spec), one pool per group at its
+  natural page size, no unification or padding, sized by :mod:`hybrid_alloc.sizing` (the
+  engine's sizing model; this module only translates the model's layers into its inputs).
+  Fixed Mamba/GDN pools first, then window-bounded attention pools for ``max_num_seqs``
+  requests, then the rest to the groups that grow with the sequence, in proportion to one
+  ``max_model_len`` request. Capacity counts only the growing groups. A budget that does not
+  hold the fixed pools plus one ``max_model_len`` request in every growing pool does not fit
+  (the engine refuses to start with it).
 * **physical** - the limit no allocator can beat: KV bytes minus the bounded per-request state
   of ``max_num_seqs`` requests, over the bytes one token costs in the growing layers.
 
-Sizing rules for ours (the decisions, and why):
+How the model's layers map onto the sizing model's groups:
 
-* Full attention grows with the sequence: it gets the memory left over, at ``block_size``.
-* Mamba/GDN in ``mamba_cache_mode='none'``: each request holds its running state plus one
-  scratch state per speculative token, so the pool is ``max_num_seqs * (1 + spec) + 1`` blocks
-  (the ``+ 1`` is the null block every pool reserves). Admission can never starve on it.
-* ``'align'`` (prefix caching): a running request holds the state of the previous step (the
-  copy source), the running state, the speculative scratch states and, for vLLM's Mamba2 mixer,
-  one prefill checkpoint block: ``2 + spec + checkpoint`` blocks, exactly what vLLM's own
-  ``MambaSpec.max_memory_usage_bytes`` reserves per request in align mode. That is the
-  admission minimum (and what the physical limit counts). States of finished requests stay
-  cached in free blocks until reused, but under full load a pool of exactly that size keeps
-  almost none, so the pool is ``align_cache_factor`` times it, plus the null block; the
-  factor defaults to :mod:`hybrid_alloc.sizing`'s ``ALIGN_CACHE_FACTOR`` (2: as many cached
-  states as live ones). Factor 1 is capacity first. A partial prefix hit needs one
-  copy-on-write block for one step; if none is free the request waits a step. It cannot
-  deadlock: running requests keep their count constant and finishing ones return theirs.
+* Full attention grows with the sequence, at ``block_size``.
+* Mamba/GDN in ``mamba_cache_mode='none'`` or ``'align'`` is fixed: the states a running
+  request holds (:func:`hybrid_alloc.sizing.mamba_blocks_per_request`, the count vLLM's
+  ``MambaSpec.max_memory_usage_bytes`` reserves), for ``max_num_seqs`` requests; an 'align'
+  pool holds ``align_cache_factor`` times that (default the engine's
+  :data:`hybrid_alloc.sizing.ALIGN_CACHE_FACTOR`, 2: as many cached states as live ones;
+  factor 1 is capacity first). A partial prefix hit needs one copy-on-write block for one
+  step; if none is free the request waits a step (no deadlock: running requests keep their
+  count constant and finishing ones return theirs).
 * ``'all'``: every ``mamba_block_size`` tokens leave a cached state, so Mamba grows with the
   sequence and shares the leftover memory with attention. ``mamba_block_size`` defaults to the
-  block size stock vLLM would use, so both layouts checkpoint at the same interval. (vLLM 0.32
-  itself accepts only 'none' and 'align'; its 'all' column here is a model of the same sizing
-  with Mamba counted as growing.)
-* Sliding-window and chunked-local attention are bounded by their window: a fixed pool of
-  ``max_num_seqs`` times vLLM's per-request admission cap
-  (``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block) + 1`` for sliding,
-  ``cdiv(min(chunk + max_num_batched_tokens, max_model_len), block)`` for chunked) plus the null
-  block, so every admitted request can hold its window and its in-flight chunk. A window that
-  covers ``max_model_len`` makes the group a growing one.
+  block size stock vLLM would use, so both layouts checkpoint at the same interval. (vLLM
+  itself accepts only 'none' and 'align'; the 'all' column models the same sizing with Mamba
+  counted as growing.)
+* Sliding-window and chunked-local attention are bounded: ``max_num_seqs`` times vLLM's
+  per-request admission cap (window plus ``max_num_batched_tokens`` in flight, see
+  :func:`hybrid_alloc.sizing.sliding_window_blocks`), unless that cap reaches what a
+  full-attention request of ``max_model_len`` takes: then the group grows. Where no group
+  grows (every attention layer windowed), the windowed groups share the leftover memory as
+  growing ones would.
 
 Stock numbers assume a CUDA attention backend whose smallest kernel block is 16 tokens
 (FlashAttention, FlashInfer, Triton), tensor parallel size 1, no KV-cache offload or HiSparse.
@@ -62,6 +59,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from hybrid_alloc import sizing
 from hybrid_alloc.model_specs import (
     AttentionLayerSpec,
     LayerSpec,
@@ -69,6 +67,8 @@ from hybrid_alloc.model_specs import (
     ModelSpec,
     model_from_config,
 )
+from hybrid_alloc.sizing import ALIGN_CACHE_FACTOR as ALIGN_CACHE_FACTOR
+from hybrid_alloc.sizing import cdiv as cdiv
 
 MambaCacheMode = Literal["none", "align", "all"]
 MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "align", "all")
@@ -76,15 +76,6 @@ MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "align", "all")
 # Smallest kernel block of vLLM's CUDA attention backends (MultipleOf(16)); the hybrid block
 # size is a multiple of it.
 KERNEL_BLOCK_SIZE = 16
-# Mirrors of hybrid_alloc.sizing (which imports vLLM, so it cannot be imported here);
-# tests/test_planner.py checks they agree.
-ALIGN_CACHE_FACTOR = 2
-REGION_ALIGNMENT = 4096
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 # --------------------------------------------------------------------------- configs
 
@@ -276,39 +267,35 @@ class Plan:
 # --------------------------------------------------------------------------- per-request
 
 
-def _window_blocks(spec: AttentionLayerSpec, block: int, p: PlanParams) -> int:
-    """vLLM's per-request admission cap of a sliding-window / chunked-local layer."""
-    assert spec.window is not None
-    if spec.kind == "sliding":
-        tokens = min(spec.window - 1 + p.max_num_batched_tokens, p.max_model_len)
-        return cdiv(tokens, block) + 1
-    return cdiv(min(spec.window + p.max_num_batched_tokens, p.max_model_len), block)
-
-
-def _grows(spec: LayerSpec, mode: str, max_model_len: int) -> bool:
+def request_need(spec: LayerSpec, block: int, p: PlanParams) -> tuple[sizing.GroupKind, int]:
+    """A layer spec's kind in the sizing model and the blocks of ``block`` tokens one
+    request at ``max_model_len`` takes (bounded and fixed groups: their per-request cap)."""
+    L = p.max_model_len
     if isinstance(spec, MambaLayerSpec):
-        return mode == "all"
-    return spec.kind == "full" or (spec.window is not None and spec.window >= max_model_len)
-
-
-def _mamba_states_per_request(spec: MambaLayerSpec, mode: str, spec_tokens: int) -> int:
-    """States a running request holds in 'none' / 'align' mode (see the module docstring)."""
-    if mode == "align":
-        return 2 + spec_tokens + spec.prefill_checkpoint_blocks
-    return 1 + spec_tokens
-
-
-def _blocks_per_request(spec: LayerSpec, block: int, p: PlanParams) -> int:
-    """Blocks one request at ``max_model_len`` takes (bounded groups: their per-request cap)."""
-    if isinstance(spec, MambaLayerSpec):
-        if p.mamba_cache_mode == "all":
-            # One state per block of tokens, plus the speculative scratch states.
-            return cdiv(p.max_model_len, block) + p.num_spec_tokens
-        return _mamba_states_per_request(spec, p.mamba_cache_mode, p.num_spec_tokens)
+        mode = p.mamba_cache_mode
+        blocks = sizing.mamba_blocks_per_request(
+            mode,
+            p.num_spec_tokens,
+            spec.prefill_checkpoint_blocks,
+            max_model_len=L,
+            block_size=block,
+        )
+        return sizing.mamba_group_kind(mode), blocks
     if spec.kind == "full":
-        return cdiv(p.max_model_len, block)
-    # vLLM's own cap, also when the window covers max_model_len (then it is cdiv(L, b) + 1).
-    return _window_blocks(spec, block, p)
+        return "growing", sizing.full_attention_blocks(L, block)
+    assert spec.window is not None
+    in_flight = p.max_num_batched_tokens
+    if spec.kind == "sliding":
+        blocks = sizing.sliding_window_blocks(spec.window, block, in_flight, L)
+    else:
+        blocks = sizing.chunked_local_blocks(spec.window, block, in_flight, L)
+    return sizing.windowed_kind(blocks, block, L), blocks
+
+
+def _counted(specs: list[LayerSpec], block: int, p: PlanParams) -> dict[LayerSpec, bool]:
+    """Which specs count in capacity (grow, or bounded where nothing grows)."""
+    kinds = [request_need(spec, block, p)[0] for spec in specs]
+    return dict(zip(specs, sizing.counted_in_capacity(kinds), strict=True))
 
 
 # --------------------------------------------------------------------------- stock
@@ -340,6 +327,7 @@ def _stock(model: ModelSpec, groups: list[KVGroup], p: PlanParams) -> StockLayou
     block = stock_block_size(model, p.block_size, p.num_spec_tokens)
     attn_page = block * attn[0].bytes_per_token
     mamba_page = max((m.state_bytes(p.num_spec_tokens) for m in model.mamba_layers), default=0)
+    counted = _counted([g.spec for g in groups], block, p)
     rows: list[PoolRow] = []
     for i, g in enumerate(groups):
         spec = g.spec
@@ -348,12 +336,12 @@ def _stock(model: ModelSpec, groups: list[KVGroup], p: PlanParams) -> StockLayou
         else:
             # After alignment every page is the attention page (Mamba pages padded up to it).
             page = attn_page
-        grows = _grows(g.spec, p.mamba_cache_mode, p.max_model_len)
         if isinstance(g.spec, MambaLayerSpec) and p.mamba_cache_mode == "none":
             tokens_per_block = p.max_model_len  # vLLM's mamba_block_size in 'none' mode
         else:
             tokens_per_block = block
-        per_req = _blocks_per_request(g.spec, block, p)
+        _, per_req = request_need(g.spec, block, p)
+        grows = counted[g.spec]
         rows.append(PoolRow(i, g.label, g.num_layers, page, tokens_per_block, 0, grows, per_req))
     bytes_per_block = max(r.block_bytes for r in rows)
     num_blocks = p.kv_bytes // bytes_per_block
@@ -409,69 +397,72 @@ def _natural(g: KVGroup, p: PlanParams) -> tuple[int, int]:
     return spec.page_bytes(p.block_size), p.block_size
 
 
-def _fixed_blocks(g: KVGroup, per_req: int, p: PlanParams) -> int:
-    factor = p.align_cache_factor if isinstance(g.spec, MambaLayerSpec) else 1
-    if p.mamba_cache_mode != "align":
-        factor = 1
-    return p.max_num_seqs * per_req * factor + 1
-
-
-def _tokens_fitting(remaining: int, growing: list[tuple[int, int]]) -> int:
-    """Largest T with sum over (block_bytes, block_size) of (cdiv(T, bs) + 1) * bytes <= rem."""
-
-    def cost(t: int) -> int:
-        return sum((cdiv(t, bs) + 1) * b for b, bs in growing)
-
-    if cost(0) > remaining:
-        return -1
-    lo = 0
-    hi = remaining * max(bs for _, bs in growing) // min(b for b, _ in growing) + 1
-    while lo < hi:  # invariant: cost(lo) fits
-        mid = (lo + hi + 1) // 2
-        if cost(mid) <= remaining:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _ours(groups: list[KVGroup], p: PlanParams) -> Layout:
-    rows: list[PoolRow] = []
+def group_needs(groups: list[KVGroup], p: PlanParams) -> list[sizing.GroupNeeds]:
+    """The sizing model's view of each group at its natural page size."""
+    needs = []
     for i, g in enumerate(groups):
         page, tokens_per_block = _natural(g, p)
-        grows = _grows(g.spec, p.mamba_cache_mode, p.max_model_len)
-        per_req = _blocks_per_request(g.spec, tokens_per_block, p)
-        blocks = 0 if grows else _fixed_blocks(g, per_req, p)
-        rows.append(
-            PoolRow(i, g.label, g.num_layers, page, tokens_per_block, blocks, grows, per_req)
+        kind, per_req = request_need(g.spec, tokens_per_block, p)
+        factor = 1
+        if isinstance(g.spec, MambaLayerSpec):
+            factor = sizing.mamba_state_factor(p.mamba_cache_mode, p.align_cache_factor)
+        name = f"group {i} ({g.label} x{g.num_layers} layers)"
+        needs.append(sizing.GroupNeeds(name, kind, page, g.num_layers, per_req, factor))
+    return needs
+
+
+def ours_layout(groups: list[KVGroup], p: PlanParams) -> Layout:
+    """Per-group pools as :func:`hybrid_alloc.sizing.size_pools` sizes them; a budget it
+    refuses gives an infeasible layout (fixed pools only, with the shortfall)."""
+    needs = group_needs(groups, p)
+    block_sizes = [_natural(g, p)[1] for g in groups]
+    try:
+        result = sizing.size_pools(
+            needs,
+            available_bytes=p.kv_bytes,
+            max_num_seqs=p.max_num_seqs,
+            max_model_len=p.max_model_len,
         )
-    fixed_bytes = sum(r.bytes for r in rows if not r.grows)
-    growing = [r for r in rows if r.grows]
-    if not growing:
-        raise ValueError("model has no KV-cache group that grows with sequence length")
-    # sizing.py sets aside one region alignment per pool for padding between regions.
-    remaining = p.kv_bytes - fixed_bytes - REGION_ALIGNMENT * len(rows)
-    t = _tokens_fitting(remaining, [(r.block_bytes, r.block_size) for r in growing])
-    if t < 1:
-        need = fixed_bytes + REGION_ALIGNMENT * len(rows)
-        need += sum(2 * r.block_bytes for r in growing)
+    except sizing.SizingError as exc:
+        fixed = {pool.needs: pool.num_blocks for pool in exc.fixed_pools}
+        rows = tuple(
+            _row(i, g, n, fixed.get(n, 0), n not in fixed, bs)
+            for i, (g, n, bs) in enumerate(zip(groups, needs, block_sizes, strict=True))
+        )
         return Layout(
             name="ours",
-            rows=tuple(rows),
-            total_bytes=fixed_bytes,
+            rows=rows,
+            total_bytes=sum(r.bytes for r in rows),
             concurrency=0.0,
             tokens=0,
             feasible=False,
-            shortfall_bytes=need - p.kv_bytes,
+            shortfall_bytes=exc.shortfall_bytes,
         )
-    rows = [_with_blocks(r, cdiv(t, r.block_size) + 1) if r.grows else r for r in rows]
-    concurrency = min((r.num_blocks - 1) / r.blocks_per_request for r in rows if r.grows)
+    rows = tuple(
+        _row(i, g, pool.needs, pool.num_blocks, pool.grows, bs)
+        for i, (g, pool, bs) in enumerate(zip(groups, result.pools, block_sizes, strict=True))
+    )
     return Layout(
         name="ours",
-        rows=tuple(rows),
-        total_bytes=sum(r.bytes for r in rows),
-        concurrency=concurrency,
-        tokens=int(concurrency * p.max_model_len),
+        rows=rows,
+        total_bytes=result.used_bytes,
+        concurrency=result.concurrency,
+        tokens=result.tokens,
+    )
+
+
+def _row(
+    i: int, g: KVGroup, needs: sizing.GroupNeeds, blocks: int, grows: bool, block_size: int
+) -> PoolRow:
+    return PoolRow(
+        i,
+        g.label,
+        g.num_layers,
+        needs.page_bytes,
+        block_size,
+        blocks,
+        grows,
+        needs.blocks_per_request,
     )
 
 
@@ -479,29 +470,36 @@ def _ours(groups: list[KVGroup], p: PlanParams) -> Layout:
 
 
 def _physical(model: ModelSpec, p: PlanParams) -> PhysicalLimit:
+    counted = _counted(list(dict.fromkeys(model.layers)), p.block_size, p)
+    L = p.max_model_len
     fixed = 0
     per_token = 0.0
     for layer in model.layers:
         if isinstance(layer, MambaLayerSpec):
             state = layer.state_bytes(p.num_spec_tokens)
-            if p.mamba_cache_mode == "all":
+            if counted[layer]:  # 'all' mode: one state per mamba_block_size tokens
                 per_token += state / p.mamba_block_size
             else:
-                states = _mamba_states_per_request(layer, p.mamba_cache_mode, p.num_spec_tokens)
+                states = sizing.mamba_blocks_per_request(
+                    p.mamba_cache_mode, p.num_spec_tokens, layer.prefill_checkpoint_blocks
+                )
                 fixed += p.max_num_seqs * states * state
-        elif _grows(layer, p.mamba_cache_mode, p.max_model_len):
+        elif layer.window is None:
             per_token += layer.bytes_per_token
+        elif counted[layer]:
+            # A window that covers the context, or no layer grows: a max_model_len request
+            # holds min(window, L) tokens here; spread over its L tokens.
+            per_token += min(layer.window, L) * layer.bytes_per_token / L
         else:
-            assert layer.window is not None
-            fixed += p.max_num_seqs * min(layer.window, p.max_model_len) * layer.bytes_per_token
+            fixed += p.max_num_seqs * min(layer.window, L) * layer.bytes_per_token
     tokens = int(max(0, p.kv_bytes - fixed) // per_token)
-    return PhysicalLimit(fixed, per_token, tokens, tokens / p.max_model_len)
+    return PhysicalLimit(fixed, per_token, tokens, tokens / L)
 
 
 # --------------------------------------------------------------------------- entry point
 
 
-def plan(
+def plan_params(
     model: ModelSpec,
     kv_bytes: int,
     *,
@@ -513,8 +511,8 @@ def plan(
     max_num_batched_tokens: int = 2048,
     mamba_block_size: int | None = None,
     align_cache_factor: int = ALIGN_CACHE_FACTOR,
-) -> Plan:
-    """Size the stock, ours and physical layouts for ``kv_bytes`` of KV-cache memory.
+) -> PlanParams:
+    """Check and complete the settings of a plan.
 
     Args:
         model: the model's KV-cache layers.
@@ -525,14 +523,13 @@ def plan(
         block_size: attention block size in tokens (ours; stock may raise it).
         max_model_len: the context length capacity is counted at (default: the model's
             ``max_position_embeddings``, as vLLM's).
-        max_num_batched_tokens: in-flight tokens a sliding-window request may also hold.
+        max_num_batched_tokens: tokens in flight a windowed-attention request may also hold
+            (vLLM's ``max_in_flight_tokens``: ``max_num_batched_tokens`` times the batches in
+            flight, 2 with async scheduling; pass the product to model that).
         mamba_block_size: tokens per cached Mamba state in 'all' mode (ours; default: the
             stock block size, so both checkpoint at the same interval).
         align_cache_factor: an 'align' Mamba pool holds this many times the live states of
             ``max_num_seqs`` requests (the rest keeps cached states for prefix hits).
-
-    A budget too small for ours' bounded pools gives ``plan.ours.feasible == False`` (stock
-    and physical are still sized: stock shares one pool, so it runs with fewer requests).
 
     Raises:
         ValueError: bad arguments.
@@ -558,7 +555,7 @@ def plan(
     if not model.attention_layers:
         raise ValueError(f"{model.name} has no attention layer; nothing grows with the sequence")
     mamba_block = mamba_block_size or stock_block_size(model, block_size, num_spec_tokens)
-    params = PlanParams(
+    return PlanParams(
         kv_bytes=kv_bytes,
         max_num_seqs=max_num_seqs,
         num_spec_tokens=num_spec_tokens,
@@ -569,6 +566,45 @@ def plan(
         mamba_block_size=mamba_block,
         align_cache_factor=align_cache_factor,
     )
+
+
+def plan(
+    model: ModelSpec,
+    kv_bytes: int,
+    *,
+    max_num_seqs: int = 256,
+    num_spec_tokens: int = 0,
+    mamba_cache_mode: str = "none",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = 2048,
+    mamba_block_size: int | None = None,
+    align_cache_factor: int = ALIGN_CACHE_FACTOR,
+) -> Plan:
+    """Size the stock, ours and physical layouts for ``kv_bytes`` of KV-cache memory
+    (arguments: see :func:`plan_params`).
+
+    A budget too small for ours (the fixed and bounded pools plus one ``max_model_len``
+    request in every growing pool) gives ``plan.ours.feasible == False``; stock and
+    physical are still sized (stock shares one pool, so it runs with fewer requests).
+
+    Raises:
+        ValueError: bad arguments.
+        NotImplementedError: attention layers of different page sizes (the stock model
+            covers one; :func:`ours_layout` sizes ours for them).
+    """
+    params = plan_params(
+        model,
+        kv_bytes,
+        max_num_seqs=max_num_seqs,
+        num_spec_tokens=num_spec_tokens,
+        mamba_cache_mode=mamba_cache_mode,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        mamba_block_size=mamba_block_size,
+        align_cache_factor=align_cache_factor,
+    )
     stock_groups, groups = kv_cache_groups(model), spec_groups(model)
     return Plan(
         model=model,
@@ -576,7 +612,7 @@ def plan(
         groups=tuple(groups),
         stock_groups=tuple(stock_groups),
         stock=_stock(model, stock_groups, params),
-        ours=_ours(groups, params),
+        ours=ours_layout(groups, params),
         physical=_physical(model, params),
     )
 

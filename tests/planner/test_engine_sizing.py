@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from tests.helpers import BLOCK, MAX_LEN, attn, fake_vllm_config
-from tests.helpers import state_mamba as mamba
+from tests.planner.specs import BLOCK, MAX_LEN, attention, small_engine_config, small_mamba
 
 
 # ------------------------------------------------------------------- sizing
@@ -18,8 +17,8 @@ def qwen_like_specs(mode: str) -> dict[str, Any]:
     """3 GDN-like layers (page padded as vLLM's platform hook would) and 1 attention."""
     from dataclasses import replace
 
-    m = replace(mamba(mode), page_size_padded=attn().page_size_bytes)
-    return {"l.0": m, "l.1": m, "l.2": m, "l.3": attn()}
+    m = replace(small_mamba(mode), page_size_padded=attention().page_size_bytes)
+    return {"l.0": m, "l.1": m, "l.2": m, "l.3": attention()}
 
 
 def test_groups_are_per_spec_and_unpadded() -> None:
@@ -34,46 +33,97 @@ def test_groups_are_per_spec_and_unpadded() -> None:
 
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_pool_sizes(mode: str) -> None:
+    from hybrid_alloc import sizing as model
     from hybrid_alloc.integration import engine_sizing as sizing
 
-    cfg = fake_vllm_config(mode, caching=mode == "align")
-    plans = sizing.plan_groups(cfg, sizing.build_groups(qwen_like_specs(mode)))
+    cfg = small_engine_config(mode, caching=mode == "align")
+    groups = sizing.build_groups(qwen_like_specs(mode))
     memory = 8 << 20
-    sizes = sizing.plan_pool_sizes(cfg, plans, memory)
-    per_req = plans[0].blocks_per_request
-    assert per_req == (1 if mode == "none" else 2)
-    factor = 1 if mode == "none" else sizing.ALIGN_CACHE_FACTOR
-    assert sizes[0] == 16 * per_req * factor + 1
-    used = sum(n * p.bytes_per_block for n, p in zip(sizes, plans, strict=True))
-    assert used <= memory
+    pools = sizing.size_groups(cfg, groups, memory)
+    sizes = [p.num_blocks for p in pools.pools]
+    mamba_needs, attention_needs = (p.needs for p in pools.pools)
+    assert mamba_needs.kind == "fixed" and attention_needs.kind == "growing"
+    assert mamba_needs.blocks_per_request == (1 if mode == "none" else 2)
+    factor = 1 if mode == "none" else model.ALIGN_CACHE_FACTOR
+    assert sizes[0] == 16 * mamba_needs.blocks_per_request * factor + 1
+    assert pools.used_bytes <= memory
     # Everything left (but rounding and region padding) goes to attention.
-    assert memory - used < plans[1].bytes_per_block + sizing.REGION_ALIGNMENT * 2
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        sizing.plan_pool_sizes(cfg, plans, plans[0].bytes_per_block * 4)
-    with pytest.raises(ValueError, match="max_model_len"):
-        sizing.plan_pool_sizes(cfg, plans, sizes[0] * plans[0].bytes_per_block + 100_000)
-    over = sizing.plan_pool_sizes(fake_vllm_config(mode, override=80), plans, memory)
-    assert over == [sizes[0], 80]
+    assert memory - pools.used_bytes < attention_needs.block_bytes + model.REGION_ALIGNMENT * 2
+    with pytest.raises(ValueError, match="max_num_seqs") as small:
+        sizing.size_groups(cfg, groups, mamba_needs.block_bytes * 4)
+    # The error names the group and the numbers.
+    assert "group 0 (MambaSpec x3 layers" in str(small.value)
+    assert f"{sizes[0] * mamba_needs.block_bytes:,} B" in str(small.value)
+    with pytest.raises(ValueError, match="max_model_len") as short:
+        sizing.size_groups(cfg, groups, sizes[0] * mamba_needs.block_bytes + 100_000)
+    assert "group 1 (FullAttentionSpec" in str(short.value)
+    assert isinstance(short.value, model.SizingError) and short.value.shortfall_bytes > 0
+    over = sizing.size_groups(small_engine_config(mode, override=80), groups, memory)
+    assert [p.num_blocks for p in over.pools] == [sizes[0], 80]
+
+
+def test_sliding_window_pools_are_bounded() -> None:
+    """Sliding window next to full attention: the window group's pool holds max_num_seqs
+    capped requests (sized before the growing pool, not counted in capacity); the full
+    attention pool gets the rest and is the primary pool."""
+    from hybrid_alloc.integration import engine_sizing as sizing
+
+    cfg = small_engine_config("none")
+    specs = {"l.0": small_mamba("none"), "l.1": attention(), "l.2": attention(window=64)}
+    groups = sizing.build_groups(specs)
+    pools = sizing.size_groups(cfg, groups, 16 << 20)
+    assert [p.needs.kind for p in pools.pools] == ["fixed", "growing", "bounded"]
+    assert [p.grows for p in pools.pools] == [False, True, False]
+    full, swa = pools.pools[1], pools.pools[2]
+    assert full.needs.blocks_per_request == MAX_LEN // BLOCK
+    # vLLM's cap: window - 1 tokens plus the 256 in flight, and one block more.
+    assert swa.needs.blocks_per_request == -(-(63 + 256) // BLOCK) + 1
+    assert swa.num_blocks == 16 * swa.needs.blocks_per_request + 1
+    config = sizing.build_config(cfg, groups, pools)
+    assert config.num_blocks == full.num_blocks  # the primary pool: the first that grows
+    assert [p.grows for p in config.pool_layouts] == [False, True, False]
+    concurrency = sizing.get_max_concurrency_for_kv_cache_config(cfg, config)
+    assert concurrency == full.num_blocks / full.needs.blocks_per_request
+
+
+def test_sliding_window_grows_where_nothing_else_does() -> None:
+    """Only sliding-window attention next to Mamba: the window pool takes the memory left
+    over and is the primary pool; a window covering the context grows as full attention."""
+    from hybrid_alloc.integration import engine_sizing as sizing
+
+    cfg = small_engine_config("none")
+    groups = sizing.build_groups({"l.0": small_mamba("none"), "l.1": attention(window=64)})
+    pools = sizing.size_groups(cfg, groups, 16 << 20)
+    assert [p.needs.kind for p in pools.pools] == ["fixed", "bounded"]
+    assert [p.grows for p in pools.pools] == [False, True]
+    config = sizing.build_config(cfg, groups, pools)
+    assert config.num_blocks == pools.pools[1].num_blocks
+    wide = sizing.build_groups(
+        {"l.0": small_mamba("none"), "l.1": attention(), "l.2": attention(window=2048)}
+    )
+    kinds = [p.needs.kind for p in sizing.size_groups(cfg, wide, 16 << 20).pools]
+    assert kinds == ["fixed", "growing", "growing"]
 
 
 def test_growing_pools_split_by_one_request() -> None:
-    """Full attention and sliding window: the memory after the Mamba pool is split in
-    proportion to what one max-length request needs in each group."""
+    """Two growing groups (full attention of two head sizes): the memory after the Mamba
+    pool is split in proportion to what one max-length request needs in each."""
     from hybrid_alloc.integration import engine_sizing as sizing
 
-    cfg = fake_vllm_config("none")
-    specs = {"l.0": mamba("none"), "l.1": attn(), "l.2": attn(window=64)}
-    plans = sizing.plan_groups(cfg, sizing.build_groups(specs))
-    assert [p.grows for p in plans] == [False, True, True]
-    sizes = sizing.plan_pool_sizes(cfg, plans, 16 << 20)
-    full, swa = plans[1].blocks_per_request, plans[2].blocks_per_request
-    assert full == MAX_LEN // BLOCK and swa < full
+    cfg = small_engine_config("none")
+    specs = {"l.0": small_mamba("none"), "l.1": attention(), "l.2": attention(head_size=32)}
+    groups = sizing.build_groups(specs)
+    pools = sizing.size_groups(cfg, groups, 16 << 20)
+    assert [p.grows for p in pools.pools] == [False, True, True]
+    wide_pool, narrow_pool = pools.pools[1], pools.pools[2]
+    assert wide_pool.needs.block_bytes == 2 * narrow_pool.needs.block_bytes
     # Both pools hold (about) the same number of max-length requests.
-    assert abs(sizes[1] / full - sizes[2] / swa) < 1
-    config = sizing.build_config(cfg, plans, sizes)
-    assert config.num_blocks == sizes[1]  # the primary pool: the first that grows
+    per_request = MAX_LEN // BLOCK
+    assert abs(wide_pool.num_blocks - narrow_pool.num_blocks) <= 1
+    config = sizing.build_config(cfg, groups, pools)
+    assert config.num_blocks == wide_pool.num_blocks  # the primary pool: the first that grows
     concurrency = sizing.get_max_concurrency_for_kv_cache_config(cfg, config)
-    assert concurrency == min(sizes[1] / full, sizes[2] / swa)
+    assert concurrency == min(wide_pool.num_blocks, narrow_pool.num_blocks) / per_request
 
 
 @pytest.mark.parametrize("layout_name", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
@@ -86,11 +136,12 @@ def test_config_tensors_are_disjoint_views(layout_name: str) -> None:
     from hybrid_alloc.integration import engine_sizing as sizing
 
     layout = KVCacheLayout[layout_name]
-    cfg = fake_vllm_config("none")
+    cfg = small_engine_config("none")
     cfg.cache_config.get_resolved_kv_cache_layout = lambda: layout
-    plans = sizing.plan_groups(cfg, sizing.build_groups(qwen_like_specs("none")))
-    sizes = sizing.plan_pool_sizes(cfg, plans, 4 << 20)
-    config = sizing.build_config(cfg, plans, sizes)
+    groups = sizing.build_groups(qwen_like_specs("none"))
+    pools = sizing.size_groups(cfg, groups, 4 << 20)
+    sizes = [p.num_blocks for p in pools.pools]
+    config = sizing.build_config(cfg, groups, pools)
     assert isinstance(config, PerGroupKVCacheConfig)
     assert config.num_blocks == sizes[1]
     assert [p.num_blocks for p in config.pool_layouts] == sizes
@@ -102,18 +153,18 @@ def test_config_tensors_are_disjoint_views(layout_name: str) -> None:
     for name, cache in caches.items():
         assert bool((cache.view(torch.uint8) == int(name[-1]) + 1).all()), name
     limits = sizing.get_max_concurrency_for_kv_cache_config(cfg, config)
-    assert limits == sizes[1] / plans[1].blocks_per_request
+    assert limits == sizes[1] / pools.pools[1].needs.blocks_per_request
 
 
 def test_unsupported_engines_fall_back() -> None:
     from hybrid_alloc.integration import engine_sizing as sizing
 
-    cfg = fake_vllm_config()
+    cfg = small_engine_config()
     specs = qwen_like_specs("none")
     assert sizing.unsupported_reason(cfg, [specs]) is None
-    assert "hybrid" in (sizing.unsupported_reason(cfg, [{"l.3": attn()}]) or "")
+    assert "hybrid" in (sizing.unsupported_reason(cfg, [{"l.3": attention()}]) or "")
     assert "'all'" in (sizing.unsupported_reason(cfg, [qwen_like_specs("all")]) or "")
-    assert "pipeline" in (sizing.unsupported_reason(cfg, [specs, {"l.3": attn()}]) or "")
+    assert "pipeline" in (sizing.unsupported_reason(cfg, [specs, {"l.3": attention()}]) or "")
     cfg.speculative_config = object()
     assert "speculative" in (sizing.unsupported_reason(cfg, [specs]) or "")
     assert "speculative" in (sizing.config_unsupported_reason(cfg) or "")
@@ -127,8 +178,8 @@ def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from hybrid_alloc.integration import engine_sizing as sizing
 
-    two_attention = {"l.0": mamba("align"), "l.1": attn(), "l.2": attn(window=64)}
-    cfg = fake_vllm_config("align", caching=True)
+    two_attention = {"l.0": small_mamba("align"), "l.1": attention(), "l.2": attention(window=64)}
+    cfg = small_engine_config("align", caching=True)
     # vLLM 0.33's CUDA wheel on a machine without a GPU reports no CPU platform: pin it.
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: True)
     assert sizing.unsupported_reason(cfg, [two_attention]) is None
@@ -137,7 +188,7 @@ def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sizing.unsupported_reason(cfg, [qwen_like_specs("align")]) is None
     cfg.use_v2_model_runner = True
     assert "V2" in (sizing.config_unsupported_reason(cfg) or "")
-    assert sizing.config_unsupported_reason(fake_vllm_config("none")) is None
+    assert sizing.config_unsupported_reason(small_engine_config("none")) is None
 
 
 def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,7 +202,7 @@ def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[Any] = []
     monkeypatch.setattr(sizing, "_stock_get_kv_cache_configs", lambda *a: calls.append(a))
-    cfg = fake_vllm_config()
+    cfg = small_engine_config()
     local = ChunkedLocalAttentionSpec(
         block_size=BLOCK,
         num_kv_heads=2,

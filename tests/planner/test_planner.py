@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,7 +22,6 @@ from hybrid_alloc.model_specs import (
 )
 from hybrid_alloc.planner import (
     ALIGN_CACHE_FACTOR,
-    REGION_ALIGNMENT,
     cdiv,
     kv_cache_groups,
     load_config,
@@ -31,6 +29,14 @@ from hybrid_alloc.planner import (
     plan,
     shipped_configs,
     stock_block_size,
+)
+from hybrid_alloc.sizing import REGION_ALIGNMENT
+from tests.planner.specs import (
+    engine_config,
+    model_config_view,
+    release_sizing_module,
+    vllm_layer_specs,
+    vllm_model_class,
 )
 
 GiB = 1 << 30
@@ -129,12 +135,14 @@ def _mamba(kind: str, width: int, ckpt: int) -> MambaLayerSpec:
 def models(draw: st.DrawFn, windows: bool = True) -> ModelSpec:
     heads = draw(st.sampled_from([1, 2, 4, 8]))
     dim = draw(st.sampled_from([64, 128, 256]))
-    layers: list[LayerSpec] = [_attn(heads, dim)] * draw(st.integers(1, 12))
+    windowed = windows and draw(st.booleans())
+    # With windowed layers, maybe no full attention at all (the window groups then grow).
+    layers: list[LayerSpec] = [_attn(heads, dim)] * draw(st.integers(0 if windowed else 1, 12))
     kind = draw(st.sampled_from(["gdn", "mamba1", "mamba2"]))
     width = draw(st.sampled_from([512, 1024, 4096]))
     mamba = _mamba(kind, width, 1 if kind == "mamba2" else 0)
     layers += [mamba] * draw(st.integers(0, 30))
-    if windows and draw(st.booleans()):
+    if windowed:
         window = draw(st.integers(32, 20_000))
         layers += [_attn(heads, dim, draw(st.sampled_from(["sliding", "chunked"])), window)] * (
             draw(st.integers(1, 6))
@@ -154,10 +162,13 @@ def settings(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _budget(model: ModelSpec, kw: dict[str, Any], extra: int) -> int:
-    """A budget ``extra`` bytes above ours' minimum: the bounded pools plus a null block and
-    one usable block in every growing pool."""
+    """A budget ``extra`` bytes above ours' minimum: the bounded pools, the region padding,
+    and a null block plus one ``max_model_len`` request in every growing pool."""
     probe = plan(model, 1, **kw).ours.rows
-    return sum(r.bytes if not r.grows else 2 * r.block_bytes for r in probe) + extra
+    need = sum(
+        r.bytes if not r.grows else (r.blocks_per_request + 1) * r.block_bytes for r in probe
+    )
+    return need + REGION_ALIGNMENT * len(probe) + extra
 
 
 # --------------------------------------------------------------------------- invariants
@@ -173,12 +184,12 @@ def test_sizes_add_up_to_the_budget(model: ModelSpec, kw: dict[str, Any], extra:
     if not p.ours.feasible:
         assert p.ours.shortfall_bytes > 0
         return
-    # Ours: the pools fill the budget to within one block of each growing pool, less the
-    # region padding set aside per pool.
+    # Ours: the pools fill the budget to within one block (and a byte of rounding) of each
+    # growing pool, less the region padding set aside per pool.
     assert p.ours.total_bytes == sum(r.bytes for r in p.ours.rows) <= kv
     padding = REGION_ALIGNMENT * len(p.ours.rows)
-    growing = sum(r.block_bytes for r in p.ours.rows if r.grows)
-    assert padding <= p.ours_unused_bytes < padding + growing
+    growing = [r.block_bytes for r in p.ours.rows if r.grows]
+    assert padding <= p.ours_unused_bytes < padding + sum(growing) + len(growing)
 
 
 @given(models(), settings(), st.integers(1 << 20, 64 * GiB))
@@ -213,17 +224,20 @@ def test_fixed_pools_never_starve_admission(
 ) -> None:
     p = plan(model, _budget(model, kw, extra), **kw)
     prm = p.params
+    full_blocks = cdiv(prm.max_model_len, prm.block_size)
+    any_growing = any(
+        isinstance(g.spec, AttentionLayerSpec) and g.spec.kind == "full" for g in p.groups
+    ) or (prm.mamba_cache_mode == "all" and bool(model.mamba_layers))
     for row, group in zip(p.ours.rows, p.groups, strict=True):
         spec = group.spec
         if row.grows:
+            # Full attention, Mamba in 'all' mode, a window whose cap reaches a full
+            # max_model_len request, or any window where nothing else grows.
             assert (
                 spec.kind == "full"
                 or prm.mamba_cache_mode == "all"
-                or (
-                    isinstance(spec, AttentionLayerSpec)
-                    and spec.window is not None
-                    and spec.window >= prm.max_model_len
-                )
+                or row.blocks_per_request >= full_blocks
+                or not any_growing
             )
             continue
         factor = 1
@@ -404,82 +418,28 @@ def test_ours_beats_stock_when_stock_admits_max_num_seqs(name: str) -> None:
 
 
 # --------------------------------------------------------------------------- vLLM cross-checks
-
-
-def _text_ns(name: str) -> SimpleNamespace:
-    cfg = load_config(name)
-    return SimpleNamespace(**cfg.get("text_config", cfg))
+# (the engine's per-group pools: test_engine_cross_check.py)
 
 
 @pytest.fixture(scope="module")
-def vllm_models() -> dict[str, Any]:
+def vllm_installed() -> None:
     pytest.importorskip("vllm")
-    from vllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
-    from vllm.model_executor.models.jamba import JambaForCausalLM
-    from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
-    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
-    from vllm.model_executor.models.zamba2 import Zamba2ForCausalLM
-
-    # Qwen3.5's own class imports torchvision; Qwen3-Next computes the same GDN shapes.
-    # The SSM dtype is what vLLM's config hooks resolve 'auto' to for each model.
-    return {
-        "qwen3.5-0.8b": (Qwen3NextForCausalLM, "float32"),
-        "qwen3.6-35b-a3b": (Qwen3NextForCausalLM, "float32"),
-        "nemotron-h-8b": (NemotronHForCausalLM, "float32"),
-        "nemotron-3-nano-30b-a3b": (NemotronHForCausalLM, "float32"),
-        "jamba-v0.1": (JambaForCausalLM, "auto"),
-        "falcon-h1-7b": (FalconH1ForCausalLM, "auto"),
-        "zamba2-2.7b": (Zamba2ForCausalLM, "auto"),
-    }
-
-
-def _vllm_config(name: str, ssm: str, spec: int, block_size: int = 16) -> SimpleNamespace:
-    import torch
-
-    text = _text_ns(name)
-    attn = load_model(name).attention_layers[0]
-    cache = SimpleNamespace(
-        cache_dtype="auto",
-        block_size=block_size,
-        mamba_cache_mode="none",
-        mamba_page_size_padded=None,
-        mamba_block_size=None,
-        mamba_cache_dtype="auto",
-        mamba_ssm_cache_dtype=ssm,
-        use_replayssm=False,
-        kv_cache_dtype_skip_layers=None,
-    )
-    model = SimpleNamespace(
-        dtype=torch.bfloat16,
-        use_mla=False,
-        architecture="X",
-        hf_config=text,
-        hf_text_config=text,
-        get_num_kv_heads=lambda _pc: attn.num_kv_heads,
-        get_head_size=lambda: attn.head_dim,
-    )
-    return SimpleNamespace(
-        cache_config=cache,
-        model_config=model,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        speculative_config=SimpleNamespace(num_speculative_tokens=spec) if spec else None,
-        num_speculative_tokens=spec,
-    )
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_state_bytes_match_vllm_models(name: str, vllm_models: dict[str, Any]) -> None:
-    cls, ssm = vllm_models[name]
+def test_state_bytes_match_vllm_models(name: str, vllm_installed: None) -> None:
+    model = load_model(name)
+    cls, ssm = vllm_model_class(model.family)
     for spec in (0, 2):
-        vc = _vllm_config(name, ssm, spec)
+        vc = model_config_view(load_config(name), model, ssm, spec)
         shapes = cls.get_mamba_state_shape_from_config(vc)
         dtypes = cls.get_mamba_state_dtype_from_config(vc)
         expected = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
-        assert load_model(name).mamba_layers[0].state_bytes(spec) == expected
+        assert model.mamba_layers[0].state_bytes(spec) == expected
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_stock_block_size_matches_vllm_platform(name: str, vllm_models: dict[str, Any]) -> None:
+def test_stock_block_size_matches_vllm_platform(name: str, vllm_installed: None) -> None:
     from unittest import mock
 
     from vllm.model_executor.models import ModelRegistry
@@ -500,10 +460,10 @@ def test_stock_block_size_matches_vllm_platform(name: str, vllm_models: dict[str
         def _find_non_ssm_backends(cls, vllm_config: Any) -> list[Any]:
             return [Backend]
 
-    cls, ssm = vllm_models[name]
     model = load_model(name)
+    cls, ssm = vllm_model_class(model.family)
     for spec, block in ((0, 16), (2, 16), (0, 64)):
-        vc = _vllm_config(name, ssm, spec, block)
+        vc = model_config_view(load_config(name), model, ssm, spec, block)
         with mock.patch.object(ModelRegistry, "resolve_model_cls", return_value=(cls, "X")):
             FakePlatform._align_hybrid_block_size(vc, Backend)  # type: ignore[arg-type]
         p = plan(model, 80 * GiB, num_spec_tokens=spec, block_size=block)
@@ -511,105 +471,33 @@ def test_stock_block_size_matches_vllm_platform(name: str, vllm_models: dict[str
         assert vc.cache_config.mamba_page_size_padded == p.stock.padded_page_bytes
 
 
-def _vllm_specs(
-    model: ModelSpec, spec: int, mode: str, max_len: int, block: int, padded: int | None
-) -> dict[str, Any]:
-    """vLLM KV-cache specs of the model's layers: attention at ``block`` tokens, Mamba pages
-    padded to ``padded`` bytes (stock) or left natural (``None``, ours)."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    specs: dict[str, Any] = {}
-    for i, layer in enumerate(model.layers):
-        if isinstance(layer, AttentionLayerSpec):
-            specs[f"layers.{i}.attn"] = FullAttentionSpec(
-                block_size=block,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_dim,
-                dtype=torch.bfloat16,
-            )
-        else:
-            rows = layer.conv_kernel - 1 + (spec if layer.conv_grows_with_spec else 0)
-            ssm = torch.float32 if layer.temporal_dtype_bytes == 4 else torch.bfloat16
-            specs[f"layers.{i}.mamba"] = MambaSpec(
-                shapes=((rows, layer.conv_dim), layer.temporal_shape),
-                dtypes=(torch.bfloat16, ssm),
-                block_size=block if mode == "align" else max_len,
-                page_size_padded=padded,
-                mamba_cache_mode=mode,
-                num_speculative_blocks=spec,
-                num_prefill_checkpoint_blocks=layer.prefill_checkpoint_blocks,
-            )
-    return specs
-
-
-def _sizing_config(mode: str, max_len: int, max_num_seqs: int = 256) -> SimpleNamespace:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    return SimpleNamespace(
-        scheduler_config=SimpleNamespace(
-            disable_hybrid_kv_cache_manager=False, max_num_seqs=max_num_seqs
-        ),
-        attention_config=SimpleNamespace(hisparse_config=None),
-        cache_config=SimpleNamespace(
-            get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC,
-            prefix_cache_retention_interval=None,
-            num_gpu_blocks_override=None,
-            mamba_cache_mode=mode,
-        ),
-        speculative_config=None,
-        model_config=SimpleNamespace(max_model_len=max_len),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=1),
-        max_in_flight_tokens=2048,
-    )
-
-
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("mode", ["none", "align"])
-def test_stock_pool_matches_vllm_kv_cache_utils(
-    name: str, mode: str, vllm_models: dict[str, Any]
-) -> None:
-    from vllm.v1.core import kv_cache_utils as ku
+def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_installed: None) -> None:
+    """vLLM's own grouping, pool size and capacity formula (in the module the installed
+    release defines them: ``kv_cache_utils`` in 0.32, ``kv_cache_planning`` in 0.33)."""
+    from vllm.v1.core import kv_cache_utils
 
+    stock = release_sizing_module()
     model, spec, L, kv = load_model(name), 1, 32768, 77 * GiB + 12345
     p = plan(model, kv, mamba_cache_mode=mode, num_spec_tokens=spec, max_model_len=L)
-    specs = _vllm_specs(model, spec, mode, L, p.stock.block_size, p.stock.padded_page_bytes)
-    vc = _sizing_config(mode, L)
-    groups = ku.get_kv_cache_groups(vc, specs)  # type: ignore[arg-type]
-    config = ku.get_kv_cache_config_from_groups(vc, groups, kv)  # type: ignore[arg-type]
-    concurrency = ku.get_max_concurrency_for_kv_cache_config(vc, config)  # type: ignore[arg-type]
+    specs = vllm_layer_specs(
+        model,
+        mode=mode,
+        max_len=L,
+        block=p.stock.block_size,
+        padded=p.stock.padded_page_bytes,
+        spec=spec,
+        cfg=load_config(name),
+    )
+    vc = engine_config(mode, L)
+    groups = stock.get_kv_cache_groups(vc, specs)
+    config = stock.get_kv_cache_config_from_groups(vc, groups, kv)
+    concurrency = kv_cache_utils.get_max_concurrency_for_kv_cache_config(vc, config)  # type: ignore[arg-type]
     assert sorted(len(g.layer_names) for g in groups) == sorted(r.num_layers for r in p.stock.rows)
     assert config.num_blocks == p.stock.num_blocks
     assert concurrency == pytest.approx(p.stock.concurrency, rel=1e-12)
     assert int(concurrency * L) == p.stock.tokens
-
-
-@pytest.mark.parametrize("name", SHIPPED)
-@pytest.mark.parametrize("mode", ["none", "align"])
-def test_ours_matches_the_engine_sizing(name: str, mode: str, vllm_models: dict[str, Any]) -> None:
-    """The planner's pools are the ones the engine sizing builds at engine start."""
-    sizing = pytest.importorskip("hybrid_alloc.integration.engine_sizing")
-    assert sizing.ALIGN_CACHE_FACTOR == ALIGN_CACHE_FACTOR
-    assert sizing.REGION_ALIGNMENT == REGION_ALIGNMENT
-    model, L, kv, seqs = load_model(name), 32768, 160 * GiB + 12345, 64
-    p = plan(model, kv, mamba_cache_mode=mode, max_model_len=L, max_num_seqs=seqs)
-    vc = _sizing_config(mode, L, seqs)
-    specs = _vllm_specs(model, 0, mode, L, 16, None)
-    assert sizing.spec_unsupported_reason([specs]) is None
-    groups = sizing.build_groups(specs)
-    plans = sizing.plan_groups(vc, groups)
-    sizes = sizing.plan_pool_sizes(vc, plans, kv)
-    assert [len(g.layer_names) for g in groups] == [r.num_layers for r in p.ours.rows]
-    assert [x.bytes_per_block for x in plans] == [r.block_bytes for r in p.ours.rows]
-    assert [x.grows for x in plans] == [r.grows for r in p.ours.rows]
-    assert sizes == [r.num_blocks for r in p.ours.rows]
-    # The KV-cache config the engine core would hand the workers: every layer in one
-    # group, unpadded pages, one region per group inside the memory it was given.
-    config = sizing.build_config(vc, plans, sizes)
-    assert sorted(n for g in config.kv_cache_groups for n in g.layer_names) == sorted(specs)
-    assert all(getattr(g.kv_cache_spec, "page_size_padded", None) is None for g in groups)
-    assert [lay.num_blocks for lay in config.pool_layouts] == sizes
-    assert config.kv_cache_tensors[0].size <= kv
 
 
 # --------------------------------------------------------------------------- CLI

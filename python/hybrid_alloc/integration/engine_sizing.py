@@ -5,15 +5,15 @@ to one size, gives all groups one ``num_blocks`` and lays every group over the s
 bytes. For a hybrid model (attention + Mamba/GDN) this module builds instead:
 
 * one group per distinct layer spec (no equal-size split: groups need not share a pool);
-* one pool per group, at the group's natural page size (no padding);
-* Mamba groups outside 'all' mode get a fixed pool: ``max_num_seqs`` requests times the
-  blocks vLLM says one request needs (``1 + num_speculative_blocks`` in 'none' mode,
-  more in 'align'), plus the null block ('align' pools get room for as many cached states
-  again, see `ALIGN_CACHE_FACTOR`);
-* the memory left goes to the groups that grow with the sequence, split in proportion to
-  what one ``max_model_len`` request needs in each;
+* one pool per group, at the group's natural page size (no padding), sized by
+  :mod:`hybrid_alloc.sizing` (the sizing model the planner uses too). This module only
+  translates: each vLLM spec gives the sizing model its kind, its stride-aligned page and
+  vLLM's own per-request block count (``max_memory_usage_bytes`` over the page size):
+  Mamba groups outside 'all' mode are fixed, sliding-window groups are bounded unless their
+  cap reaches a max-length request, full attention grows;
 * every group gets its own region of the one backing allocation vLLM's worker makes, and
-  its tensors are viewed with its own pool's block count.
+  its tensors are viewed with its own pool's block count;
+* the capacity vLLM logs counts only the pools that grow with the sequence.
 
 Anything this does not cover falls back to vLLM's sizing (and thus to one shared pool),
 with the reason logged.
@@ -24,13 +24,14 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv, round_up
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -42,20 +43,15 @@ from vllm.v1.kv_cache_interface import (
     compute_layout_strides,
 )
 
+from hybrid_alloc import sizing
 from hybrid_alloc.integration import versions
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolLayout
+from hybrid_alloc.sizing import ALIGN_CACHE_FACTOR as ALIGN_CACHE_FACTOR
+from hybrid_alloc.sizing import REGION_ALIGNMENT as REGION_ALIGNMENT
 
 # vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
 logger = init_logger("vllm.hybrid_alloc")
-
-ALIGN_CACHE_FACTOR = 2
-"""An 'align'-mode Mamba pool holds this many times what the running requests need: the
-rest keeps cached states for prefix hits (a policy choice; 'none' mode caches nothing)."""
-
-REGION_ALIGNMENT = 4096
-"""Byte alignment of each group's region in the backing allocation (dtype views of a
-region must start on an aligned address)."""
 
 # vLLM's own functions, looked up where the installed release defines them
 # (`versions.VllmRelease.sizing_module`) and kept to fall back on and to restore.
@@ -76,23 +72,6 @@ def _stock_get_kv_cache_configs(
     if versions.release().sizing_takes_global_groups:
         return stock(vllm_config, kv_cache_specs, available_memory, global_groups)  # type: ignore[no-any-return]
     return stock(vllm_config, kv_cache_specs, available_memory)  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """One group's needs, in its own pool's blocks."""
-
-    group: KVCacheGroupSpec
-    grows: bool
-    blocks_per_request: int
-    """Blocks one request needs at ``max_model_len`` (vLLM's own per-request figure)."""
-    bytes_per_block: int
-    """Bytes one block costs over all the group's layers (each page rounded to its
-    stride alignment)."""
-
-    @property
-    def spec(self) -> KVCacheSpec:
-        return self.group.kv_cache_spec
 
 
 def config_unsupported_reason(vllm_config: Any) -> str | None:
@@ -191,122 +170,111 @@ def build_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec
     return [KVCacheGroupSpec(names, spec) for spec, names in by_spec.items()]
 
 
-def plan_groups(vllm_config: Any, groups: list[KVCacheGroupSpec]) -> list[GroupPlan]:
-    plans = []
-    for group in groups:
-        spec = group.kv_cache_spec
-        stride = round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
-        plans.append(
-            GroupPlan(
-                group=group,
-                grows=not isinstance(spec, MambaSpec),
-                blocks_per_request=cdiv(
-                    spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes
-                ),
-                bytes_per_block=stride * len(group.layer_names),
-            )
-        )
-    return plans
+def _page_stride(spec: KVCacheSpec) -> int:
+    """Bytes between two blocks of one layer: the page, rounded up to the stride the
+    attention backend requires."""
+    return round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
 
 
-def fixed_pool_blocks(vllm_config: Any, plan: GroupPlan) -> int:
-    """Blocks of a pool that does not grow, null block included."""
-    spec = plan.spec
-    assert isinstance(spec, MambaSpec)
-    live = vllm_config.scheduler_config.max_num_seqs * plan.blocks_per_request
-    factor = ALIGN_CACHE_FACTOR if spec.mamba_cache_mode == "align" else 1
-    return live * factor + 1
+def group_needs(vllm_config: Any, gid: int, group: KVCacheGroupSpec) -> sizing.GroupNeeds:
+    """The sizing model's view of one group, from vLLM's spec and vLLM's own per-request
+    figure."""
+    spec = group.kv_cache_spec
+    per_request = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+    factor = 1
+    kind: sizing.GroupKind = "growing"
+    if isinstance(spec, MambaSpec):
+        kind = sizing.mamba_group_kind(spec.mamba_cache_mode)
+        factor = sizing.mamba_state_factor(spec.mamba_cache_mode)
+    elif isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        max_model_len = vllm_config.model_config.max_model_len
+        kind = sizing.windowed_kind(per_request, spec.block_size, max_model_len)
+    names = group.layer_names
+    shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+    return sizing.GroupNeeds(
+        name=f"group {gid} ({type(spec).__name__} x{len(names)} layers: {shown})",
+        kind=kind,
+        page_bytes=_page_stride(spec),
+        num_layers=len(names),
+        blocks_per_request=per_request,
+        state_factor=factor,
+    )
 
 
-def plan_pool_sizes(vllm_config: Any, plans: list[GroupPlan], available_memory: int) -> list[int]:
-    """Blocks per group's pool (null block included): fixed pools first, the rest of
-    ``available_memory`` to the growing ones in proportion to one max-length request."""
-    sizes = [0] * len(plans)
-    budget = available_memory - REGION_ALIGNMENT * len(plans)  # region padding
-    for i, plan in enumerate(plans):
-        if not plan.grows:
-            sizes[i] = fixed_pool_blocks(vllm_config, plan)
-            budget -= sizes[i] * plan.bytes_per_block
-    growing = [i for i, plan in enumerate(plans) if plan.grows]
-    if budget <= 0:
-        raise ValueError(
-            f"per-group KV-cache pools: {available_memory} bytes of KV-cache memory do not "
-            "hold the Mamba/GDN state of max_num_seqs requests; lower max_num_seqs or give "
-            "the KV cache more memory"
-        )
-    weights = [plans[i].blocks_per_request * plans[i].bytes_per_block for i in growing]
-    override = vllm_config.cache_config.num_gpu_blocks_override
-    for i, weight in zip(growing, weights, strict=True):
-        plan = plans[i]
-        if override is not None:
-            # The override counts the primary (first growing) pool's blocks; other
-            # growing pools keep their proportion to it.
-            first = plans[growing[0]]
-            sizes[i] = max(1, override * plan.blocks_per_request // first.blocks_per_request)
-        else:
-            sizes[i] = budget * weight // sum(weights) // plan.bytes_per_block
-        if sizes[i] - 1 < plan.blocks_per_request:
-            max_model_len = vllm_config.model_config.max_model_len
-            raise ValueError(
-                f"per-group KV-cache pools: group of {plan.group.layer_names[:3]}... gets "
-                f"{sizes[i] - 1} usable blocks, fewer than one {max_model_len}-token "
-                f"request needs ({plan.blocks_per_request}); lower max_model_len or "
-                "give the KV cache more memory"
-            )
-    return sizes
+def size_groups(
+    vllm_config: Any, groups: list[KVCacheGroupSpec], available_memory: int
+) -> sizing.Sizing:
+    """Every group's pool, as :func:`hybrid_alloc.sizing.size_pools` sizes it.
+
+    Raises:
+        ValueError: the memory does not hold the fixed pools or one ``max_model_len``
+            request (:class:`hybrid_alloc.sizing.SizingError`).
+    """
+    return sizing.size_pools(
+        [group_needs(vllm_config, gid, group) for gid, group in enumerate(groups)],
+        available_bytes=available_memory,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        max_model_len=vllm_config.model_config.max_model_len,
+        num_blocks_override=vllm_config.cache_config.num_gpu_blocks_override,
+        region_alignment=REGION_ALIGNMENT,
+    )
 
 
-def build_config(vllm_config: Any, plans: list[GroupPlan], sizes: list[int]) -> KVCacheConfig:
+def build_config(
+    vllm_config: Any, groups: list[KVCacheGroupSpec], pools: sizing.Sizing
+) -> KVCacheConfig:
     """Tensors for every group, each in its own region of one backing allocation."""
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     tensors: list[KVCacheTensor] = []
     offset = 0
     regions: list[tuple[int, int, int]] = []  # (offset, layer_stride, block_stride)
-    for plan, num_blocks in zip(plans, sizes, strict=True):
-        spec = plan.spec
-        num_layers = len(plan.group.layer_names)
-        stride = round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
+    for group, pool in zip(groups, pools.pools, strict=True):
+        spec = group.kv_cache_spec
+        num_layers = len(group.layer_names)
+        stride = _page_stride(spec)
         fixed_block_stride = stride if stride != spec.page_size_bytes else None
         strides = compute_layout_strides(
             spec,
-            num_blocks,
+            pool.num_blocks,
             num_layers,
             layout,
             fixed_strides=(None, fixed_block_stride, None, None, None),
         )
-        shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, num_blocks))
+        shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, pool.num_blocks))
         offset = round_up(offset, REGION_ALIGNMENT)
         regions.append((offset, strides[0], strides[1]))
         # Last byte any view of this group can address, whatever the layout's dim order.
         offset += 1 + sum((n - 1) * stride for n, stride in zip(shape, strides, strict=True))
     total = round_up(offset, REGION_ALIGNMENT)
-    for plan, (start, layer_stride, block_stride) in zip(plans, regions, strict=True):
+    for group, (start, layer_stride, block_stride) in zip(groups, regions, strict=True):
         tensors.append(
             KVCacheTensor(
                 size=total,
-                layers=list(plan.group.layer_names),
+                layers=list(group.layer_names),
                 layer_stride=layer_stride,
                 block_stride=block_stride,
                 offset=start,
             )
         )
-    pools = tuple(
+    # `grows` marks the pools sized from the memory left over (counted in capacity); the
+    # first of them is the primary pool, whose free count vLLM's admission compares.
+    # Bounded (window) pools do not grow unless no group does: the coordinator checks them
+    # exactly, like the Mamba pools.
+    layouts = tuple(
         PoolLayout(
             group_ids=(gid,),
-            num_blocks=n,
-            grows=plan.grows,
-            label=f"group{gid}:{type(plan.spec).__name__}",
+            num_blocks=pool.num_blocks,
+            grows=pool.grows,
+            label=f"group{gid}:{type(group.kv_cache_spec).__name__}",
         )
-        for gid, (plan, n) in enumerate(zip(plans, sizes, strict=True))
+        for gid, (group, pool) in enumerate(zip(groups, pools.pools, strict=True))
     )
-    primary = next((p for p in pools if p.grows), pools[0])
-    groups = [plan.group for plan in plans]
     config = PerGroupKVCacheConfig(
-        num_blocks=primary.num_blocks,
+        num_blocks=layouts[pools.primary_index].num_blocks,
         kv_cache_tensors=tensors,
         kv_cache_groups=groups,
         prefix_cache_retention_interval=(vllm_config.cache_config.prefix_cache_retention_interval),
-        pool_layouts=pools,
+        pool_layouts=layouts,
     )
     tp_replicas = importlib.import_module(versions.release().tp_replicas_module)
     config.kv_tp_replicas = tp_replicas.kv_cache_groups_tp_replicas(
@@ -328,17 +296,17 @@ def _partial_hits_would_be_on(vllm_config: Any, groups: list[KVCacheGroupSpec]) 
     return kv_cache_utils.partial_hash_hits_enabled(groups, hash_block_size)
 
 
-def describe(plans: list[GroupPlan], sizes: list[int]) -> str:
+def describe(groups: list[KVCacheGroupSpec], pools: sizing.Sizing) -> str:
     parts = []
-    for gid, (plan, n) in enumerate(zip(plans, sizes, strict=True)):
-        spec = plan.spec
+    for gid, (group, pool) in enumerate(zip(groups, pools.pools, strict=True)):
+        spec = group.kv_cache_spec
         kind = type(spec).__name__
         if isinstance(spec, MambaSpec):
             kind += f"({spec.mamba_cache_mode})"
         parts.append(
-            f"group {gid} {kind} x{len(plan.group.layer_names)} layers, page "
-            f"{spec.page_size_bytes} B, block {spec.block_size} tokens: {n} blocks "
-            f"({'grows' if plan.grows else 'fixed'})"
+            f"group {gid} {kind} x{len(group.layer_names)} layers, page "
+            f"{spec.page_size_bytes} B, block {spec.block_size} tokens: {pool.num_blocks} "
+            f"blocks ({'grows' if pool.grows else pool.needs.kind})"
         )
     return "; ".join(parts)
 
@@ -381,34 +349,39 @@ def get_kv_cache_configs(
         return _stock_get_kv_cache_configs(
             vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
         )
-    plans = plan_groups(vllm_config, groups)
-    sizes = plan_pool_sizes(vllm_config, plans, min(available_memory))
-    logger.info("hybrid_alloc: per-group KV-cache pools: %s", describe(plans, sizes))
-    # Tensor-parallel workers hold the same layers: one plan serves all of them.
-    return [build_config(vllm_config, plans, sizes) for _ in kv_cache_specs]
+    pools = size_groups(vllm_config, groups, min(available_memory))
+    logger.info("hybrid_alloc: per-group KV-cache pools: %s", describe(groups, pools))
+    # Tensor-parallel workers hold the same layers: one sizing serves all of them.
+    return [build_config(vllm_config, groups, pools) for _ in kv_cache_specs]
 
 
 def get_max_concurrency_for_kv_cache_config(
     vllm_config: Any, kv_cache_config: KVCacheConfig
 ) -> float:
     """Requests of ``max_model_len`` tokens the KV cache holds at once. With per-group
-    pools only the pools that grow with the sequence count (the fixed pools are sized to
-    ``max_num_seqs``); vLLM's convention of counting every block, null included, is kept."""
+    pools only the pools that grow with the sequence count (the fixed and bounded pools
+    are sized to ``max_num_seqs``); vLLM's convention of counting every block, null
+    included, is kept."""
     if not isinstance(kv_cache_config, PerGroupKVCacheConfig):
         return float(_stock_get_max_concurrency(vllm_config, kv_cache_config))
-    limits = []
-    for layout in kv_cache_config.pool_layouts:
-        if not layout.grows:
-            continue
-        per_request = sum(
-            cdiv(
-                spec.max_memory_usage_bytes(vllm_config),
-                spec.page_size_bytes,
+    groups = kv_cache_config.kv_cache_groups
+    return sizing.max_concurrency(
+        (
+            (
+                layout.num_blocks,
+                sum(
+                    cdiv(
+                        groups[g].kv_cache_spec.max_memory_usage_bytes(vllm_config),
+                        groups[g].kv_cache_spec.page_size_bytes,
+                    )
+                    for g in layout.group_ids
+                ),
             )
-            for spec in (kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in layout.group_ids)
-        )
-        limits.append(layout.num_blocks / per_request)
-    return min(limits) if limits else float("inf")
+            for layout in kv_cache_config.pool_layouts
+            if layout.grows
+        ),
+        count_null_block=True,
+    )
 
 
 def install() -> None:

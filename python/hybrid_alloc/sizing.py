@@ -1,0 +1,378 @@
+"""The one sizing model of per-group KV-cache pools.
+
+The engine core (:mod:`hybrid_alloc.integration.engine_sizing`, which translates vLLM's layer
+specs) and the capacity planner (:mod:`hybrid_alloc.planner`, which translates a
+``config.json``) both describe each KV-cache group with a :class:`GroupNeeds` and call
+:func:`size_pools`; neither has rules of its own. Pure Python: no vLLM, no torch.
+
+A group is one of three kinds:
+
+* ``fixed``: Mamba/GDN state, a fixed number of blocks per running request whatever its
+  length. Its pool holds ``max_num_seqs`` requests' states, times ``state_factor`` ('align'
+  mode keeps as many cached states again for prefix hits, see `ALIGN_CACHE_FACTOR`).
+* ``bounded``: sliding-window or chunked-local attention whose per-request cap (window plus
+  the tokens in flight, vLLM's admission cap) is below what a full-attention request of
+  ``max_model_len`` takes. It does not grow with the sequence either, so its pool holds
+  ``max_num_seqs`` capped requests.
+* ``growing``: attention whose KV grows with the sequence. The memory left after the fixed
+  and bounded pools is split between these in proportion to what one ``max_model_len``
+  request costs in each, so all hold the same number of such requests. Capacity and
+  concurrency count these pools only.
+
+A model with windowed attention but no growing group (every attention layer sliding) has its
+bounded groups sized as growing ones: something must take the memory left over, and the
+window-bounded pool is what limits how many requests run.
+
+Every pool has one null block on top of what it holds (vLLM's block pools reserve block 0),
+and its own region of the backing allocation, aligned to `REGION_ALIGNMENT`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+GroupKind = Literal["growing", "bounded", "fixed"]
+GROUP_KINDS: tuple[GroupKind, ...] = ("growing", "bounded", "fixed")
+
+ALIGN_CACHE_FACTOR = 2
+"""An 'align'-mode Mamba pool holds this many times what the running requests need: the
+rest keeps cached states for prefix hits (a policy choice; 'none' mode caches nothing)."""
+
+REGION_ALIGNMENT = 4096
+"""Byte alignment of each group's region in the backing allocation (dtype views of a
+region must start on an aligned address). One alignment per pool is set aside for the
+padding between regions."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------- per-request blocks
+# vLLM's own per-request figures (``KVCacheSpec.max_memory_usage_bytes`` over the page size),
+# for callers that have no vLLM spec to ask: the planner. The engine asks vLLM's specs; the
+# planner's cross-check tests hold the two to the same numbers.
+
+
+def full_attention_blocks(max_model_len: int, block_size: int) -> int:
+    """Blocks a full-attention request of ``max_model_len`` tokens holds."""
+    return cdiv(max_model_len, block_size)
+
+
+def sliding_window_blocks(
+    window: int,
+    block_size: int,
+    in_flight_tokens: int,
+    max_model_len: int,
+    extra_retained_tokens: int = 0,
+) -> int:
+    """vLLM's per-request admission cap of a sliding-window layer: the last ``window - 1``
+    computed tokens (plus any retained for multi-module speculation) and the tokens in
+    flight, never more than ``max_model_len``, plus one block because the window need not
+    start on a block boundary."""
+    tokens = min(window - 1 + extra_retained_tokens + in_flight_tokens, max_model_len)
+    return cdiv(tokens, block_size) + 1
+
+
+def chunked_local_blocks(
+    chunk: int, block_size: int, in_flight_tokens: int, max_model_len: int
+) -> int:
+    """vLLM's per-request admission cap of a chunked-local-attention layer: one chunk plus
+    the tokens in flight, never more than ``max_model_len``."""
+    return cdiv(min(chunk + in_flight_tokens, max_model_len), block_size)
+
+
+def mamba_blocks_per_request(
+    mode: str,
+    num_speculative_blocks: int,
+    prefill_checkpoint_blocks: int = 0,
+    *,
+    max_model_len: int = 0,
+    block_size: int = 0,
+) -> int:
+    """Blocks a running request holds in a Mamba/GDN group.
+
+    'none': its running state plus one scratch state per speculative token. 'align' (prefix
+    caching): also the previous step's state (the copy source) and, for Mamba2 mixers, one
+    prefill checkpoint; vLLM's ``MambaSpec.max_memory_usage_bytes`` reserves exactly these.
+    'all': one state per ``block_size`` tokens of a ``max_model_len`` request plus the
+    scratch states (it grows with the sequence; vLLM's engine accepts only none / align).
+    """
+    if mode == "none":
+        return 1 + num_speculative_blocks
+    if mode == "align":
+        return 2 + num_speculative_blocks + prefill_checkpoint_blocks
+    if mode == "all":
+        return cdiv(max_model_len, block_size) + num_speculative_blocks
+    raise ValueError(f"unknown mamba_cache_mode {mode!r}; known: none, align, all")
+
+
+def mamba_group_kind(mode: str) -> GroupKind:
+    """'all' keeps a state per block of tokens, so it grows; the others are fixed."""
+    return "growing" if mode == "all" else "fixed"
+
+
+def mamba_state_factor(mode: str, align_cache_factor: int = ALIGN_CACHE_FACTOR) -> int:
+    """Blocks a fixed Mamba pool keeps per live state: ``align_cache_factor`` in 'align'
+    mode (room for cached states), else 1 ('none' mode caches no state)."""
+    return align_cache_factor if mode == "align" else 1
+
+
+def windowed_kind(blocks_per_request: int, block_size: int, max_model_len: int) -> GroupKind:
+    """A windowed group is bounded only if its per-request cap is below what a
+    full-attention request of ``max_model_len`` takes; a window (plus tokens in flight) that
+    covers the context needs as much as a growing group, so it is sized as one."""
+    if blocks_per_request < full_attention_blocks(max_model_len, block_size):
+        return "bounded"
+    return "growing"
+
+
+# ----------------------------------------------------------------- inputs and results
+
+
+@dataclass(frozen=True)
+class GroupNeeds:
+    """What the sizing needs to know about one KV-cache group.
+
+    Attributes:
+        name: names the group in error messages.
+        kind: ``growing``, ``bounded`` or ``fixed`` (see the module doc).
+        page_bytes: one layer's page, rounded up to the block stride alignment.
+        num_layers: layers in the group (one block spans all of them).
+        blocks_per_request: blocks one request at ``max_model_len`` takes (bounded groups:
+            their per-request cap; fixed groups: the states a running request holds).
+        state_factor: fixed groups keep this many blocks per live state (cached states).
+    """
+
+    name: str
+    kind: GroupKind
+    page_bytes: int
+    num_layers: int
+    blocks_per_request: int
+    state_factor: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {GROUP_KINDS}, got {self.kind!r}")
+        for field in ("page_bytes", "num_layers", "blocks_per_request", "state_factor"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{self.name}: {field} must be positive")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block costs over all the group's layers."""
+        return self.page_bytes * self.num_layers
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """One group's pool."""
+
+    needs: GroupNeeds
+    num_blocks: int
+    """Blocks in the pool, null block included."""
+    grows: bool
+    """Sized from the memory left over and counted in capacity (growing groups, and bounded
+    ones where no group grows). The first such pool is the primary pool."""
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.needs.block_bytes
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The pools of one model at one budget, in group order."""
+
+    pools: tuple[PoolSize, ...]
+    available_bytes: int
+    max_model_len: int
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the pools take (region padding excluded)."""
+        return sum(p.bytes for p in self.pools)
+
+    @property
+    def primary_index(self) -> int:
+        return next(i for i, p in enumerate(self.pools) if p.grows)
+
+    @property
+    def concurrency(self) -> float:
+        """Requests of ``max_model_len`` tokens the growing pools hold at once (usable
+        blocks: the null block excluded)."""
+        return max_concurrency(
+            ((p.num_blocks, p.needs.blocks_per_request) for p in self.pools if p.grows),
+            count_null_block=False,
+        )
+
+    @property
+    def tokens(self) -> int:
+        """Token capacity: concurrency times ``max_model_len``."""
+        return int(self.concurrency * self.max_model_len)
+
+
+class SizingError(ValueError):
+    """The memory does not hold the fixed and bounded pools, or not one ``max_model_len``
+    request in a growing pool.
+
+    Attributes:
+        shortfall_bytes: memory missing for the smallest working layout (0 where an
+            explicit block count, not the memory, is what falls short).
+        fixed_pools: the fixed and bounded pools as sized before the failure.
+    """
+
+    def __init__(
+        self, message: str, shortfall_bytes: int, fixed_pools: tuple[PoolSize, ...]
+    ) -> None:
+        super().__init__(message)
+        self.shortfall_bytes = shortfall_bytes
+        self.fixed_pools = fixed_pools
+
+
+def max_concurrency(pools: Iterable[tuple[int, int]], *, count_null_block: bool) -> float:
+    """Requests of ``max_model_len`` tokens that ``(num_blocks, blocks_per_request)`` pools
+    hold at once: the smallest pool-by-pool ratio. ``count_null_block=True`` counts every
+    block as vLLM's capacity report does; False counts usable blocks only."""
+    null = 0 if count_null_block else 1
+    limits = [(n - null) / per_request for n, per_request in pools]
+    return min(limits) if limits else float("inf")
+
+
+def counted_in_capacity(kinds: Sequence[GroupKind]) -> list[bool]:
+    """Which groups are sized from the memory left over and counted in capacity: the
+    growing ones, or the bounded ones where none grows."""
+    if "growing" in kinds:
+        return [kind == "growing" for kind in kinds]
+    return [kind == "bounded" for kind in kinds]
+
+
+def fixed_pool_blocks(needs: GroupNeeds, max_num_seqs: int) -> int:
+    """Blocks of a fixed or bounded pool, null block included: ``max_num_seqs`` requests
+    each holding its share (times the state factor), so admission never waits on it."""
+    return max_num_seqs * needs.blocks_per_request * needs.state_factor + 1
+
+
+# ----------------------------------------------------------------- the sizing
+
+
+def size_pools(
+    groups: Sequence[GroupNeeds],
+    *,
+    available_bytes: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+    region_alignment: int = REGION_ALIGNMENT,
+) -> Sizing:
+    """Blocks of every group's pool: fixed pools first, then bounded pools for
+    ``max_num_seqs`` requests, then the rest of ``available_bytes`` to the growing pools:
+    each its null block, and what is left in proportion to one ``max_model_len`` request.
+
+    Args:
+        groups: the groups, in the order their pools are laid out.
+        available_bytes: memory for the KV cache.
+        max_num_seqs: most requests running at once (fixed and bounded pools hold them).
+        max_model_len: the request length the growing pools are split by and capacity is
+            counted at.
+        num_blocks_override: blocks of the primary (first growing) pool, as vLLM's
+            ``num_gpu_blocks_override``; other growing pools keep their proportion to it.
+        region_alignment: alignment of each pool's region (one is set aside per pool).
+
+    Raises:
+        ValueError: no group grows or is bounded (nothing to count capacity in), or bad
+            arguments.
+        SizingError: the memory does not hold the fixed and bounded pools, or a growing
+            pool gets fewer blocks than one ``max_model_len`` request takes.
+    """
+    if not groups:
+        raise ValueError("per-group KV-cache pools: no KV-cache group to size")
+    for name, value in (
+        ("available_bytes", available_bytes),
+        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", max_model_len),
+    ):
+        if value < 1:
+            raise ValueError(f"per-group KV-cache pools: {name} must be positive, got {value}")
+    counted = counted_in_capacity([g.kind for g in groups])
+    if not any(counted):
+        raise ValueError(
+            "per-group KV-cache pools: no KV-cache group grows with the sequence or is "
+            "bounded by a window ("
+            + ", ".join(f"{g.name}: {g.kind}" for g in groups)
+            + "); nothing to count capacity in"
+        )
+    sizes = [
+        0 if grows else fixed_pool_blocks(g, max_num_seqs)
+        for g, grows in zip(groups, counted, strict=True)
+    ]
+    fixed = tuple(
+        PoolSize(g, n, False)
+        for g, n, grows in zip(groups, sizes, counted, strict=True)
+        if not grows
+    )
+    padding = region_alignment * len(groups)
+    fixed_bytes = sum(p.bytes for p in fixed)
+    budget = available_bytes - padding - fixed_bytes
+    shortfall = _min_budget(groups, counted, fixed_bytes, padding) - available_bytes
+    growing = [i for i, grows in enumerate(counted) if grows]
+    if budget <= 0:
+        detail = "; ".join(
+            f"{p.needs.name}: {p.num_blocks:,} blocks x {p.needs.block_bytes:,} B = {p.bytes:,} B"
+            for p in fixed
+        )
+        raise SizingError(
+            f"per-group KV-cache pools: {available_bytes:,} bytes of KV-cache memory do not "
+            f"hold the fixed-size pools for max_num_seqs={max_num_seqs} requests ({detail}; "
+            f"{padding:,} B region padding); {shortfall:,} bytes short: lower max_num_seqs "
+            "or give the KV cache more memory",
+            shortfall,
+            fixed,
+        )
+    # Each growing pool's null block first; the rest split so that every growing pool
+    # holds the same number of max_model_len requests.
+    shared = max(0, budget - sum(groups[i].block_bytes for i in growing))
+    weights = {i: groups[i].blocks_per_request * groups[i].block_bytes for i in growing}
+    total_weight = sum(weights.values())
+    first = groups[growing[0]]
+    for i in growing:
+        g = groups[i]
+        if num_blocks_override is not None:
+            sizes[i] = max(
+                1, num_blocks_override * g.blocks_per_request // first.blocks_per_request
+            )
+        else:
+            sizes[i] = 1 + shared * weights[i] // total_weight // g.block_bytes
+    for i in growing:
+        g = groups[i]
+        if sizes[i] - 1 < g.blocks_per_request:
+            # With an explicit block count the memory is not what falls short.
+            short = max(shortfall, 0) if num_blocks_override is None else 0
+            source = "num_gpu_blocks_override" if num_blocks_override is not None else "memory"
+            raise SizingError(
+                f"per-group KV-cache pools: {g.name} gets {sizes[i] - 1:,} usable blocks "
+                f"from the {source} left after the fixed-size pools ({max(budget, 0):,} B), "
+                f"fewer than one {max_model_len:,}-token request needs "
+                f"({g.blocks_per_request:,} blocks x {g.block_bytes:,} B)"
+                + (f"; {short:,} bytes short" if short > 0 else "")
+                + ": lower max_model_len or give the KV cache more memory",
+                short,
+                fixed,
+            )
+    pools = tuple(PoolSize(g, n, grows) for g, n, grows in zip(groups, sizes, counted, strict=True))
+    return Sizing(pools, available_bytes, max_model_len)
+
+
+def _min_budget(
+    groups: Sequence[GroupNeeds], counted: Sequence[bool], fixed_bytes: int, padding: int
+) -> int:
+    """The least memory with which every growing pool holds one ``max_model_len`` request
+    plus its null block under the split of :func:`size_pools`: pool i gets
+    ``1 + shared * w_i // W // b_i`` blocks (``w_i = p_i * b_i``, ``W`` the sum of the
+    weights), at least ``p_i + 1`` exactly when ``shared >= W``."""
+    growing = [g for g, grows in zip(groups, counted, strict=True) if grows]
+    nulls = sum(g.block_bytes for g in growing)
+    total_weight = sum(g.blocks_per_request * g.block_bytes for g in growing)
+    return fixed_bytes + padding + nulls + total_weight
