@@ -31,6 +31,24 @@ VLLM_CLASSES: dict[str, tuple[str, str, str]] = {
 }
 
 
+SLIDING_WINDOW_VARIANT = "nemotron-h-8b+sliding-window-4096"
+"""A sliding-window + Mamba2 model of a real architecture: Nemotron-H-8B with transformers'
+NemotronHConfig ``sliding_window`` set (vLLM's NemotronHForCausalLM gives every attention
+layer that window) over a 32K context. No such checkpoint is published; the config is the
+shipped one plus those two fields."""
+
+
+def config_by_name(name: str) -> dict[str, Any]:
+    """A shipped config by name, or `SLIDING_WINDOW_VARIANT`."""
+    from hybrid_alloc.planner import load_config
+
+    if name == SLIDING_WINDOW_VARIANT:
+        cfg = dict(load_config("nemotron-h-8b"))
+        cfg.update(_source=name, sliding_window=4096, max_position_embeddings=32768)
+        return cfg
+    return load_config(name)
+
+
 def vllm_model_class(family: str) -> tuple[Any, str]:
     """(vLLM model class, its SSM dtype under 'auto') of a planner family."""
     module, name, ssm = VLLM_CLASSES[family]

@@ -29,25 +29,18 @@ from hybrid_alloc.planner import (
     shipped_configs,
     spec_groups,
 )
-from tests.planner.specs import engine_config, pin_cpu_platform, vllm_layer_specs
+from tests.planner.specs import (
+    SLIDING_WINDOW_VARIANT,
+    config_by_name,
+    engine_config,
+    pin_cpu_platform,
+    vllm_layer_specs,
+)
 
 pytest.importorskip("vllm")
 
 GiB = 1 << 30
 MODES = ("none", "align")
-
-
-def _nemotron_h_swa() -> dict[str, Any]:
-    """Nemotron-H-8B with a 4,096-token sliding window (transformers' NemotronHConfig field;
-    vLLM's NemotronHForCausalLM gives every attention layer that window): a sliding-window
-    + Mamba2 model with no full attention, over a 32K context."""
-    cfg = dict(load_config("nemotron-h-8b"))
-    cfg.update(
-        _source="nemotron-h-8b with sliding_window 4096 (test variant)",
-        sliding_window=4096,
-        max_position_embeddings=32768,
-    )
-    return cfg
 
 
 def _mamba2(heads: int) -> MambaLayerSpec:
@@ -154,7 +147,7 @@ def test_shipped_configs(name: str, mode: str, monkeypatch: pytest.MonkeyPatch) 
 def test_sliding_window_mamba_model(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every attention layer sliding: no group grows with the sequence, so the window
     groups take the memory left over (and the primary pool is theirs)."""
-    cfg = _nemotron_h_swa()
+    cfg = config_by_name(SLIDING_WINDOW_VARIANT)
     model = model_from_config(cfg)
     assert {a.kind for a in model.attention_layers} == {"sliding"}
     L, kv, seqs = 32768, 40 * GiB + 777, 64

@@ -32,6 +32,8 @@ from hybrid_alloc.planner import (
 )
 from hybrid_alloc.sizing import REGION_ALIGNMENT
 from tests.planner.specs import (
+    SLIDING_WINDOW_VARIANT,
+    config_by_name,
     engine_config,
     model_config_view,
     release_sizing_module,
@@ -471,7 +473,7 @@ def test_stock_block_size_matches_vllm_platform(name: str, vllm_installed: None)
         assert vc.cache_config.mamba_page_size_padded == p.stock.padded_page_bytes
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", [*SHIPPED, SLIDING_WINDOW_VARIANT])
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_installed: None) -> None:
     """vLLM's own grouping, pool size and capacity formula (in the module the installed
@@ -479,7 +481,8 @@ def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_insta
     from vllm.v1.core import kv_cache_utils
 
     stock = release_sizing_module()
-    model, spec, L, kv = load_model(name), 1, 32768, 77 * GiB + 12345
+    cfg = config_by_name(name)
+    model, spec, L, kv = model_from_config(cfg), 1, 32768, 77 * GiB + 12345
     p = plan(model, kv, mamba_cache_mode=mode, num_spec_tokens=spec, max_model_len=L)
     specs = vllm_layer_specs(
         model,
@@ -488,7 +491,7 @@ def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_insta
         block=p.stock.block_size,
         padded=p.stock.padded_page_bytes,
         spec=spec,
-        cfg=load_config(name),
+        cfg=cfg,
     )
     vc = engine_config(mode, L)
     groups = stock.get_kv_cache_groups(vc, specs)
