@@ -292,10 +292,15 @@ def request_need(spec: LayerSpec, block: int, p: PlanParams) -> tuple[sizing.Gro
     return sizing.windowed_kind(blocks, block, L), blocks
 
 
-def _counted(specs: list[LayerSpec], block: int, p: PlanParams) -> dict[LayerSpec, bool]:
-    """Which specs count in capacity (grow, or bounded where nothing grows)."""
-    kinds = [request_need(spec, block, p)[0] for spec in specs]
-    return dict(zip(specs, sizing.counted_in_capacity(kinds), strict=True))
+def _kinds(model: ModelSpec, p: PlanParams) -> dict[LayerSpec, tuple[sizing.GroupKind, bool]]:
+    """Each distinct spec's kind at ours' block size, and whether it counts in capacity
+    (grows, or is bounded where nothing grows). Stock and the physical limit use the same
+    kinds, so all three layouts count the same layers (a window cap near max_model_len
+    could otherwise be bounded at one block size and not at another)."""
+    specs = list(dict.fromkeys(model.layers))
+    kinds = [request_need(spec, p.block_size, p)[0] for spec in specs]
+    counted = sizing.counted_in_capacity(kinds)
+    return {spec: (kind, c) for spec, kind, c in zip(specs, kinds, counted, strict=True)}
 
 
 # --------------------------------------------------------------------------- stock
@@ -327,7 +332,7 @@ def _stock(model: ModelSpec, groups: list[KVGroup], p: PlanParams) -> StockLayou
     block = stock_block_size(model, p.block_size, p.num_spec_tokens)
     attn_page = block * attn[0].bytes_per_token
     mamba_page = max((m.state_bytes(p.num_spec_tokens) for m in model.mamba_layers), default=0)
-    counted = _counted([g.spec for g in groups], block, p)
+    kinds = _kinds(model, p)
     rows: list[PoolRow] = []
     for i, g in enumerate(groups):
         spec = g.spec
@@ -341,7 +346,7 @@ def _stock(model: ModelSpec, groups: list[KVGroup], p: PlanParams) -> StockLayou
         else:
             tokens_per_block = block
         _, per_req = request_need(g.spec, block, p)
-        grows = counted[g.spec]
+        grows = kinds[g.spec][1]
         rows.append(PoolRow(i, g.label, g.num_layers, page, tokens_per_block, 0, grows, per_req))
     bytes_per_block = max(r.block_bytes for r in rows)
     num_blocks = p.kv_bytes // bytes_per_block
@@ -351,8 +356,14 @@ def _stock(model: ModelSpec, groups: list[KVGroup], p: PlanParams) -> StockLayou
     tokens = int(concurrency * p.max_model_len)
     fixed = sum(r.blocks_per_request for r in rows if not r.grows)
     growing = sum(1 for r in rows if r.grows)
-    free = num_blocks - 1 - p.max_num_seqs * fixed
-    at_seqs = max(0, free) // growing * block if growing else 0
+    free = max(0, num_blocks - 1 - p.max_num_seqs * fixed)
+    windows_counted = any(kind == "bounded" and c for kind, c in kinds.values())
+    if windows_counted:
+        # Window groups counted because nothing grows: a held token is not a context token,
+        # so count max_model_len requests of their capped size, as vLLM's figure does.
+        at_seqs = int(free / sum(r.blocks_per_request for r in rows if r.grows) * p.max_model_len)
+    else:
+        at_seqs = free // growing * block if growing else 0
     return StockLayout(
         name="stock",
         rows=tuple(rows),
@@ -470,14 +481,14 @@ def _row(
 
 
 def _physical(model: ModelSpec, p: PlanParams) -> PhysicalLimit:
-    counted = _counted(list(dict.fromkeys(model.layers)), p.block_size, p)
+    kinds = _kinds(model, p)
     L = p.max_model_len
     fixed = 0
     per_token = 0.0
     for layer in model.layers:
         if isinstance(layer, MambaLayerSpec):
             state = layer.state_bytes(p.num_spec_tokens)
-            if counted[layer]:  # 'all' mode: one state per mamba_block_size tokens
+            if kinds[layer][1]:  # 'all' mode: one state per mamba_block_size tokens
                 per_token += state / p.mamba_block_size
             else:
                 states = sizing.mamba_blocks_per_request(
@@ -486,7 +497,7 @@ def _physical(model: ModelSpec, p: PlanParams) -> PhysicalLimit:
                 fixed += p.max_num_seqs * states * state
         elif layer.window is None:
             per_token += layer.bytes_per_token
-        elif counted[layer]:
+        elif kinds[layer][1]:
             # A window that covers the context, or no layer grows: a max_model_len request
             # holds min(window, L) tokens here; spread over its L tokens.
             per_token += min(layer.window, L) * layer.bytes_per_token / L
