@@ -2,7 +2,8 @@
 
 For every shipped config at 16 / 40 / 80 GiB of KV memory, prints and writes
 ``benches/CAPACITY.md`` (token capacity, concurrency and ratios; per-group pools at 40 GiB; a
-``max_num_seqs`` sweep; align mode) and ``benches/capacity.png``.
+``max_num_seqs`` sweep; align mode; sliding-window models, which no shipped config has) and
+``benches/capacity.png``.
 
     python benches/bench_capacity.py [--out-dir benches] [--max-num-seqs 256]
 
@@ -14,16 +15,34 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
+from hybrid_alloc import sizing
 from hybrid_alloc.cli import format_bytes
-from hybrid_alloc.planner import ALIGN_CACHE_FACTOR, Plan, load_model, plan, shipped_configs
+from hybrid_alloc.model_specs import (
+    AttentionLayerSpec,
+    LayerSpec,
+    MambaLayerSpec,
+    ModelSpec,
+    model_from_config,
+)
+from hybrid_alloc.planner import (
+    ALIGN_CACHE_FACTOR,
+    Plan,
+    group_needs,
+    load_config,
+    load_model,
+    plan,
+    shipped_configs,
+)
 
 GiB = 1 << 30
 BUDGETS_GIB = (16, 40, 80)
 DETAIL_GIB = 40
 MAX_LEN = 32768  # capacity is counted at min(this, the model's own context)
 SWEEP_SEQS = (16, 64, 256, 1024)
+WINDOW_SEQS = (32, 256)
 
 
 def _ratio(a: int, b: int) -> str:
@@ -124,9 +143,15 @@ def _headline(plans: dict[tuple[str, int], Plan], seqs: int) -> list[str]:
                 ours,
                 f"{p.ours.concurrency:.1f}",
                 f"{p.physical.tokens:,}",
-                _ratio(p.ours.tokens, p.stock.tokens),
-                _ratio(p.ours.tokens, p.stock.tokens_at_max_num_seqs),
-                _ratio(p.ours.tokens, p.physical.tokens),
+                *(
+                    (
+                        _ratio(p.ours.tokens, p.stock.tokens),
+                        _ratio(p.ours.tokens, p.stock.tokens_at_max_num_seqs),
+                        _ratio(p.ours.tokens, p.physical.tokens),
+                    )
+                    if p.ours.feasible
+                    else ("n/a",) * 3
+                ),
             )
         )
     return _table(header, rows)
@@ -190,6 +215,140 @@ def _sweep(names: Sequence[str]) -> list[str]:
     return _table(header, rows)
 
 
+def _sliding_window_models() -> list[tuple[str, ModelSpec]]:
+    """Models with sliding-window layers (no shipped config has any), both also checked
+    against the engine's sizing in ``tests/planner/test_engine_cross_check.py``.
+
+    * Nemotron-H-8B with transformers' ``sliding_window`` set to 4,096 (vLLM's Nemotron-H
+      gives every attention layer that window; no such checkpoint is published), next to
+      the same model with full attention, both over a 32K context;
+    * a synthetic model with full attention, sliding-window attention (window 1,024, same
+      heads) and Mamba2, the layout where the window group is bounded.
+    """
+    cfg = {**load_config("nemotron-h-8b"), "max_position_embeddings": MAX_LEN}
+    full = model_from_config({**cfg, "_source": "nemotron-h-8b @32K (full attention)"})
+    swa = model_from_config(
+        {**cfg, "sliding_window": 4096, "_source": "nemotron-h-8b @32K, sliding window 4,096"}
+    )
+    mamba2 = MambaLayerSpec("mamba2", 32 * 64 + 256, 4, (32, 64, 128), 2, 4, True, 1)
+    full_attn = AttentionLayerSpec("full", 8, 128, 2)
+    window = AttentionLayerSpec("sliding", 8, 128, 2, window=1024)
+    pattern: list[LayerSpec] = [mamba2, mamba2, window, mamba2, full_attn, window] * 4
+    mixed = ModelSpec("synthetic full + sliding 1,024 + mamba2", "test", tuple(pattern), MAX_LEN)
+    return [(full.name, full), (swa.name, swa), (mixed.name, mixed)]
+
+
+def _window_as_growing(p: Plan) -> int:
+    """Ours' tokens had the window groups been sized as growing ones, split by one
+    max-length request (the engine's rule before the sizing model was shared, up to the
+    null blocks it did not set aside first)."""
+    needs = [
+        replace(n, kind="growing") if n.kind == "bounded" else n
+        for n in group_needs(list(p.groups), p.params)
+    ]
+    try:
+        result = sizing.size_pools(
+            needs,
+            available_bytes=p.params.kv_bytes,
+            max_num_seqs=p.params.max_num_seqs,
+            max_model_len=p.params.max_model_len,
+        )
+    except sizing.SizingError:
+        return 0  # does not fit
+    return result.tokens
+
+
+def _percent_range(values: Sequence[float]) -> str:
+    low, high = f"{100 * min(values):.0f}", f"{100 * max(values):.0f}"
+    return f"{low}%" if low == high else f"{low}-{high}%"
+
+
+def _former(tokens: int) -> str:
+    return f"{tokens:,}" if tokens else "does not fit"
+
+
+def _sliding_window() -> list[str]:
+    """The table of `_sliding_window_models` and what it shows, in numbers."""
+    header = (
+        "model",
+        "KV",
+        "max_num_seqs",
+        "stock tokens (vLLM)",
+        "stock @seqs",
+        "ours",
+        "ours conc.",
+        "window pool blocks",
+        "physical",
+        "ours/physical",
+        "window sized as growing",
+    )
+    models = _sliding_window_models()
+    plans = {
+        (name, seqs, gib): plan(model, gib * GiB, max_num_seqs=seqs, max_model_len=MAX_LEN)
+        for name, model in models
+        for seqs in WINDOW_SEQS
+        for gib in BUDGETS_GIB
+    }
+    growing_rule = {key: _window_as_growing(p) for key, p in plans.items()}
+    rows = []
+    for (name, seqs, gib), p in plans.items():
+        windows = [r for r in p.ours.rows if r.kind == "sliding"]
+        rows.append(
+            (
+                name,
+                f"{gib} GiB",
+                str(seqs),
+                f"{p.stock.tokens:,}",
+                f"{p.stock.tokens_at_max_num_seqs:,}",
+                _tokens(p),
+                f"{p.ours.concurrency:.1f}",
+                ", ".join(
+                    f"{r.num_blocks:,}" + (" (grows)" if r.grows else " (bounded)") for r in windows
+                )
+                or "-",
+                f"{p.physical.tokens:,}",
+                _ratio(p.ours.tokens, p.physical.tokens) if p.ours.feasible else "n/a",
+                _former(growing_rule[name, seqs, gib]) if windows else "-",
+            )
+        )
+    (full, _), (swa, _), (mixed, _) = models
+    feasible = [k for k in plans if k[0] == swa and plans[k].ours.feasible]
+    window = next(r for r in plans[feasible[0]].ours.rows if r.kind == "sliding")
+    to_physical = [plans[k].ours.tokens / plans[k].physical.tokens for k in feasible]
+    more = [plans[k].ours.concurrency / plans[(full, *k[1:])].ours.concurrency for k in feasible]
+
+    def change(seqs: int, gib: int) -> str:
+        """Ours against the former rule for the full + sliding-window model."""
+        ours, former = plans[mixed, seqs, gib].ours, growing_rule[mixed, seqs, gib]
+        if not ours.feasible:
+            return f"{gib} GiB: does not fit (the former rule: {_former(former)} tokens)"
+        if not former:
+            return f"{gib} GiB: fits, the former rule does not"
+        return f"{gib} GiB: {100 * (ours.tokens / former - 1):+.0f}%"
+
+    changes = {seqs: ", ".join(change(seqs, gib) for gib in BUDGETS_GIB) for seqs in WINDOW_SEQS}
+    return [
+        *_table(header, rows),
+        "",
+        f"* The all-sliding Nemotron-H: vLLM's per-request cap is window - 1 + 2,048 tokens in "
+        f"flight + one block = {window.blocks_per_request} blocks "
+        f"({window.blocks_per_request * window.block_size:,} tokens), so ours reaches "
+        f"{_percent_range(to_physical)} of the physical column, "
+        "which counts the 4,096 window tokens only. Against full attention at 32K it holds "
+        f"{min(more):.1f}x as many requests at the same memory.",
+        "* Full + sliding window: bounding the window group reserves its cap for every one of "
+        "max_num_seqs requests. Ours against the former engine rule (which sized the window "
+        "pool for as many max-length requests as the full-attention pool holds, so short "
+        "requests beyond that count waited on the window pool): "
+        + "; ".join(f"{seqs} sequences: {text}" for seqs, text in changes.items())
+        + ". Ours is ahead where max_num_seqs is at or below the max-length requests the "
+        "full-attention pool holds (the ours conc. column) and behind where it is far above "
+        "them: the reserve then holds windows for requests the full-attention pool cannot "
+        "hold at full length. The former rule's figure can exceed the physical column, which "
+        "also reserves the window for all max_num_seqs requests.",
+    ]
+
+
 def _plot(plans: dict[tuple[str, int], Plan], names: Sequence[str], path: Path) -> None:
     import matplotlib
 
@@ -248,11 +407,12 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "",
         "Generated by `python benches/bench_capacity.py` from the planner "
         "(`hybrid_alloc.planner`, also `hybrid-alloc plan CONFIG`). Pure arithmetic, checked in "
-        "`tests/test_planner.py` against vLLM 0.32's own sizing (`_align_hybrid_block_size`, "
-        "`get_kv_cache_groups`, `get_kv_cache_config_from_groups`, "
+        "`tests/planner/test_planner.py` against vLLM 0.32's and 0.33's own sizing "
+        "(`_align_hybrid_block_size`, `get_kv_cache_groups`, `get_kv_cache_config_from_groups`, "
         "`get_max_concurrency_for_kv_cache_config`, each model's "
-        "`get_mamba_state_shape_from_config`) and against the pools `hybrid_alloc.sizing` "
-        "builds at engine start.",
+        "`get_mamba_state_shape_from_config`). Ours is `hybrid_alloc.sizing`, the sizing model "
+        "the engine core runs at startup; `tests/planner/test_engine_cross_check.py` checks that "
+        "the engine builds exactly these pools from vLLM's own layer specs.",
         "",
         "Settings: bfloat16 weights and KV, the model's default SSM dtype (float32 for "
         f"Qwen3.5/3.6 and Nemotron), max_num_seqs {seqs}, no speculative tokens, block size "
@@ -268,7 +428,9 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "requests hold their Mamba blocks: stock at the load ours is sized for.",
         "* **ours**: one pool per distinct layer spec at its natural page size (what "
         f"`hybrid_alloc.sizing` builds); Mamba pools hold {seqs} x (1 + spec) + 1 blocks; the "
-        "rest goes to attention; only growing groups count; null blocks excluded.",
+        "rest goes to attention; only growing groups count; null blocks excluded. *does not "
+        f"fit*: the memory does not hold the Mamba state of {seqs} requests plus one "
+        "max_model_len request in attention (the engine refuses to start with it).",
         f"* **physical**: (KV bytes - Mamba state of {seqs} requests) / attention bytes per token.",
         "",
         "## Token capacity (mamba_cache_mode none)",
@@ -281,8 +443,7 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "pool's null block is one request's whole state, plus one attention block) and the "
         "4 KiB region padding, so it is at 99% or better wherever the Mamba state of "
         "max_num_seqs requests leaves room for attention. Below that only where the state eats "
-        "almost the whole budget (Qwen3.6-35B-A3B at 16 GiB: 256 x 61 MiB = 15.4 GiB of state, "
-        "0.6 GiB left for attention; Nemotron-3-Nano at 16 GiB: 98.9%).",
+        "almost the whole budget (Nemotron-3-Nano at 16 GiB: 98.9%).",
         "* **ours vs stock at the same load**: once max_num_seqs requests hold Mamba state, the "
         "shared pool has fewer attention tokens than ours: stock pads every Mamba page up to an "
         "attention page (Zamba2: 0.66 MiB -> 0.94 MiB, +43%) and pads short groups "
@@ -301,8 +462,12 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "`test_ours_beats_stock_when_stock_admits_max_num_seqs`).",
         "* **does not fit**: the Mamba state of max_num_seqs requests alone exceeds the budget "
         "(Falcon-H1-7B: 44 x 1.52 MiB = 67 MiB a request; Nemotron-H-8B: 24 x 4.06 MiB = "
-        "97 MiB). Stock still starts because its shared pool admits fewer requests; with "
-        "per-group pools, max_num_seqs must match what the memory can hold.",
+        "97 MiB), or leaves less than one max_model_len request for attention (Qwen3.6-35B-A3B "
+        "at 16 GiB: 256 x 61 MiB = 15.4 GiB of state leaves 0.59 GiB, 38 MiB short of one "
+        "32,768-token request; this report showed 30,832 tokens there before the planner and "
+        "the engine shared one sizing model, a layout the engine refused). Stock still starts "
+        "because its shared pool admits fewer requests; with per-group pools, max_num_seqs "
+        "must match what the memory can hold.",
         "* What the capacity column cannot show: stock's attention block is 48 to 2,096 tokens "
         "instead of 16, so every request wastes half such a block on average and prefix-cache "
         "hits are rounded down to its multiples; ours keeps 16-token blocks.",
@@ -327,6 +492,23 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "factor 1.",
         "",
         *_align(names, seqs),
+        "",
+        "## Sliding-window layers",
+        "",
+        "No shipped config has sliding-window (or chunked-local) layers, so the rule that "
+        "bounds them changed no number above. Before the planner and the engine shared one "
+        "sizing model, they disagreed on such layers: the planner sized a window group as a "
+        "bounded pool of max_num_seqs capped requests, the engine as a growing pool split "
+        "with full attention by one max-length request; the planner also read Nemotron-H's "
+        "`sliding_window` as full attention, and refused a model with no full attention. Now "
+        "both bound window groups next to full attention and let them take the memory left "
+        "over where nothing else grows. The models below are not shipped: Nemotron-H-8B with "
+        "transformers' `sliding_window` set to 4,096 (vLLM gives every attention layer that "
+        "window; no such checkpoint is published) next to the same model with full attention, "
+        "and a synthetic full + sliding-window (1,024) + Mamba2 model. `window sized as "
+        "growing`: ours had the window group been sized as the engine used to size it.",
+        "",
+        *_sliding_window(),
         "",
         f"## Per-group pools at {DETAIL_GIB} GiB",
         "",
@@ -371,12 +553,17 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "the same interval), so it grows with the sequence and shares the leftover memory with "
         "attention.",
         "* Sliding-window / chunked-local attention (none in the shipped configs): bounded by "
-        "the window: max_num_seqs x vLLM's per-request admission cap + 1 (window plus "
-        "max_num_batched_tokens in flight). A window covering max_model_len makes the group a "
-        "growing one.",
-        "* Memory left after the bounded pools (and 4 KiB of region padding per pool) goes to "
-        "the growing groups, split so that all reach the same token count. Capacity and "
-        "concurrency count growing groups only.",
+        "the window: max_num_seqs x vLLM's per-request admission cap + 1 (window - 1 plus the "
+        "max_num_batched_tokens in flight, one block more). A cap that reaches a full "
+        "max_model_len request makes the group a growing one; where no group grows, the "
+        "window groups share the memory left over as growing ones would.",
+        "* Memory left after the fixed and bounded pools (and 4 KiB of region padding per "
+        "pool) goes to the growing groups: each its null block, the rest in proportion to one "
+        "max_model_len request, so all hold the same number of such requests. Capacity and "
+        "concurrency count growing groups only. The memory must hold at least one "
+        "max_model_len request in every growing pool.",
+        "* These rules are `hybrid_alloc.sizing`, which both the engine core and this planner "
+        "call; neither has a copy of its own.",
         "",
         "![capacity](capacity.png)",
         "",
