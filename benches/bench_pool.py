@@ -16,8 +16,8 @@ Sections:
 3. bookkeeping bytes per block;
 4. cost of reading block attributes (vLLM's managers read them per block);
 5. vLLM's own ``KVCacheManager`` driving a prefix-sharing request workload: on the stock
-   pool, on ours as the hybrid_alloc plugin installs it (pool + ``hybrid_alloc.patches``)
-   and on our pool alone, in lockstep; prefix hits and block IDs are asserted identical.
+   pool, on ours as the hybrid_alloc plugin installs it (pool +
+   ``hybrid_alloc.integration.manager_patches``) and on our pool alone, in lockstep; prefix hits and block IDs are asserted identical.
 
 Live objects are frozen out of the GC after start-up (``gc.freeze()``, as vLLM's engine
 does) and the cyclic GC is off inside timed loops, so that a collection landing in one
@@ -50,8 +50,8 @@ import vllm.v1.core.kv_cache_coordinator as kv_cache_coordinator
 from vllm.v1.core.block_pool import BlockPool as StockBlockPool
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from hybrid_alloc import patches
-from hybrid_alloc.block_pool import BlockPool as OurBlockPool
+from hybrid_alloc.integration import manager_patches
+from hybrid_alloc.integration.block_pool import BlockPool as OurBlockPool
 
 HASH_BLOCK_SIZE = 16
 BLOCK_SIZE = 16
@@ -812,8 +812,8 @@ def make_manager(num_blocks: int, max_model_len: int) -> Any:
 
 
 #: The three ways section 5 runs: vLLM's stock pool; ours as the hybrid_alloc plugin
-#: installs it (our pool plus ``hybrid_alloc.patches``, the batched full-attention prefix
-#: lookup); and our pool alone with vLLM's per-block lookup.
+#: installs it (our pool plus ``hybrid_alloc.integration.manager_patches``, the batched
+#: full-attention prefix lookup); and our pool alone with vLLM's per-block lookup.
 SIDES = ("stock", "ours", "ours, pool only")
 PHASES = (
     "get_computed_blocks",
@@ -946,11 +946,11 @@ def bench_manager(cfg: Config, rep: Report) -> None:
                             continue
                         # Installed as the plugin does (class-level), only while ours
                         # runs a step that looks up the prefix cache.
-                        patches.apply()
+                        manager_patches.install()
                         try:
                             step(run)
                         finally:
-                            patches.revert()
+                            manager_patches.uninstall()
         for side, run in runs.items():
             # Apples to apples: the same hits and block IDs for every request.
             if ref is None:
@@ -1003,7 +1003,7 @@ def bench_manager(cfg: Config, rep: Report) -> None:
     )
     rep.single(
         "5",
-        "KVCacheManager request loop, total (ours = pool + hybrid_alloc.patches, as the "
+        "KVCacheManager request loop, total (ours = pool + manager_patches, as the "
         "plugin installs it)",
         "us/request",
         total["stock"],
@@ -1030,7 +1030,7 @@ def bench_manager(cfg: Config, rep: Report) -> None:
         )
     rep.single(
         "5",
-        "KVCacheManager request loop, total, ours = pool only (no hybrid_alloc.patches)",
+        "KVCacheManager request loop, total, ours = pool only (no manager_patches)",
         "us/request",
         total["stock"],
         total["ours, pool only"],
