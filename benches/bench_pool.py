@@ -17,7 +17,8 @@ Sections:
 4. cost of reading block attributes (vLLM's managers read them per block);
 5. vLLM's own ``KVCacheManager`` driving a prefix-sharing request workload: on the stock
    pool, on ours as the hybrid_alloc plugin installs it (pool +
-   ``hybrid_alloc.integration.manager_patches``) and on our pool alone, in lockstep; prefix hits and block IDs are asserted identical.
+   ``hybrid_alloc.integration.manager_patches``) and on our pool alone, in lockstep; prefix
+   hits and block IDs are asserted identical.
 
 Live objects are frozen out of the GC after start-up (``gc.freeze()``, as vLLM's engine
 does) and the cyclic GC is off inside timed loops, so that a collection landing in one
