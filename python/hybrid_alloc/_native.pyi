@@ -1,4 +1,5 @@
-"""Type stubs for the compiled module ``hybrid_alloc._native`` (rust/src/binding.rs)."""
+"""Type stubs for the compiled module ``hybrid_alloc._native`` (the PyO3 binding in
+rust/src/binding/: block.rs, pool.rs, views.rs)."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, final, overload
@@ -40,8 +41,10 @@ class BlockTable(Sequence[KVCacheBlock]):
     def __iter__(self) -> Iterator[KVCacheBlock]: ...
 
 @final
-class FreeQueueIter(Iterator[KVCacheBlock]):
-    def __iter__(self) -> FreeQueueIter: ...
+class FreeBlockIterator(Iterator[KVCacheBlock]):
+    """The free blocks after a cursor, following the queue as it is at each step."""
+
+    def __iter__(self) -> FreeBlockIterator: ...
     def __next__(self) -> KVCacheBlock: ...
 
 @final
@@ -49,7 +52,7 @@ class FreeQueueView:
     @property
     def num_free_blocks(self) -> int: ...
     def get_all_free_blocks(self) -> list[KVCacheBlock]: ...
-    def iter_blocks_after(self, cursor: KVCacheBlock | None = None) -> FreeQueueIter: ...
+    def iter_blocks_after(self, cursor: KVCacheBlock | None = None) -> FreeBlockIterator: ...
 
 class NativeBlockPool:
     def __new__(
@@ -58,8 +61,6 @@ class NativeBlockPool:
         enable_caching: bool,
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
-        metrics_collector: Any = None,
-        medium: str | None = None,
         label: str | None = None,
     ) -> NativeBlockPool: ...
     @property
@@ -70,10 +71,6 @@ class NativeBlockPool:
     def hash_block_size(self) -> int: ...
     @property
     def enable_kv_cache_events(self) -> bool: ...
-    @property
-    def metrics_collector(self) -> Any: ...
-    @metrics_collector.setter
-    def metrics_collector(self, collector: Any) -> None: ...
     @property
     def label(self) -> str: ...
     def get_num_free_blocks(self) -> int: ...
@@ -100,8 +97,20 @@ class NativeBlockPool:
     def check_invariants(self) -> None: ...
     def bookkeeping_bytes(self) -> int: ...
     def num_handles(self) -> int: ...
-    # Internal helpers used by hybrid_alloc.block_pool and vLLM's private call sites.
+    # Internal helpers used by hybrid_alloc.integration.block_pool and vLLM's private call
+    # sites.
     def _set_removed_sink(self, sink: Callable[[list[bytes]], None] | None) -> None: ...
+    def _set_block_observers(
+        self,
+        observers: tuple[
+            Callable[[KVCacheBlock], object],
+            Callable[[KVCacheBlock], object],
+            Callable[[KVCacheBlock], object],
+        ]
+        | None,
+    ) -> None:
+        """(on evicted, on allocated, on accessed), called as vLLM's pool calls its metrics
+        collector; None for none."""
     def _cache_full_blocks(
         self,
         blocks: Sequence[KVCacheBlock],
@@ -111,7 +120,20 @@ class NativeBlockPool:
         block_size: int,
         kv_cache_group_id: int,
         block_mask: Sequence[bool] | None = None,
-    ) -> None: ...
+    ) -> list[int] | None:
+        """The positions cached, when KV events are on; None when they are off or the span
+        is empty."""
+    def _cache_partial_block(
+        self,
+        block_hashes: Sequence[bytes],
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> tuple[bytes, bool] | None:
+        """(key, whether a ``BlockStored`` event is due: a new entry with KV events on), or
+        None for the null block."""
     def _insert_block_hash(
         self, block_hash_with_group_id: bytes, block: KVCacheBlock, num_tokens: int | None = None
     ) -> None: ...

@@ -5,8 +5,10 @@ use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolError {
-    /// A pool size of zero (a pool holds at least its null block) or past the ID range.
-    InvalidSize { requested: usize, max: usize },
+    /// A pool size past the ID range.
+    InvalidSize { requested: i64, max: usize },
+    /// An argument outside what the operation accepts (the message says which and why).
+    InvalidArgument(String),
     /// A block ID outside `0..num_blocks`.
     OutOfRange { block_id: i64, num_blocks: usize },
     /// More blocks asked for than are free.
@@ -19,6 +21,8 @@ pub enum PoolError {
     BadState { block_id: u32, reason: String },
     /// A reference count that would overflow.
     RefOverflow { block_id: u32 },
+    /// A block of another pool passed to an operation that takes only this pool's blocks.
+    ForeignBlock { block_id: u32, op: &'static str },
 }
 
 impl fmt::Display for PoolError {
@@ -26,8 +30,9 @@ impl fmt::Display for PoolError {
         match self {
             PoolError::InvalidSize { requested, max } => write!(
                 f,
-                "a pool needs between 1 and {max} blocks, got {requested}"
+                "a pool holds at most {max} blocks, got num_gpu_blocks={requested}"
             ),
+            PoolError::InvalidArgument(message) => f.write_str(message),
             PoolError::OutOfRange {
                 block_id,
                 num_blocks,
@@ -50,8 +55,27 @@ impl fmt::Display for PoolError {
             PoolError::RefOverflow { block_id } => {
                 write!(f, "the reference count of block {block_id} would overflow")
             }
+            PoolError::ForeignBlock { block_id, op } => {
+                write!(f, "{op}: block {block_id} belongs to another pool")
+            }
         }
     }
 }
 
 impl std::error::Error for PoolError {}
+
+/// The failure of an operation that reads part of its input through the caller (a block
+/// or a hash at some position): either the pool refused, or reading the input failed
+/// with the caller's own error (say, an object of the wrong type). Either way nothing has
+/// changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpError<E> {
+    Pool(PoolError),
+    Input(E),
+}
+
+impl<E> From<PoolError> for OpError<E> {
+    fn from(e: PoolError) -> Self {
+        OpError::Pool(e)
+    }
+}

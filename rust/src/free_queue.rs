@@ -14,10 +14,6 @@ const END: u32 = u32::MAX - 1;
 pub const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
 
 /// Links are stored XOR-ed with their value in the initial, ID-ordered queue, so a stored 0
-/// means "the neighbour by ID". A new queue is then two zeroed arrays, which the allocator
-/// hands out without touching them (a 1M-block pool is built in microseconds; pages are
-/// faulted in as blocks are first used).
-/// Links are stored XOR-ed with their value in the initial, ID-ordered queue, so a stored 0
 /// means "the neighbour by ID". A new queue is two zeroed arrays, which the allocator hands
 /// out without writing them: a 1M-block pool is built in microseconds and its pages are
 /// faulted in as blocks are first used.
@@ -246,8 +242,8 @@ impl FreeQueue {
     }
 
     /// Iterate the queue from front to back.
-    pub fn iter(&self) -> FreeQueueIter<'_> {
-        FreeQueueIter {
+    pub fn iter(&self) -> QueuedIds<'_> {
+        QueuedIds {
             queue: self,
             cur: self.head,
         }
@@ -297,12 +293,13 @@ impl FreeQueue {
     }
 }
 
-pub struct FreeQueueIter<'a> {
+/// The IDs in a queue, front to back (a borrow: the queue cannot change meanwhile).
+pub struct QueuedIds<'a> {
     queue: &'a FreeQueue,
     cur: u32,
 }
 
-impl Iterator for FreeQueueIter<'_> {
+impl Iterator for QueuedIds<'_> {
     type Item = u32;
 
     fn next(&mut self) -> Option<u32> {
@@ -312,6 +309,33 @@ impl Iterator for FreeQueueIter<'_> {
         let id = self.cur;
         self.cur = self.queue.get_next(id as usize);
         Some(id)
+    }
+}
+
+/// A position in a queue that may change between steps (vLLM's
+/// `free_block_queue.iter_blocks_after(cursor)`, used while the pool keeps working): each
+/// step follows the queue as it is at that moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueCursor {
+    /// Before the first block.
+    Front,
+    /// After this block.
+    After(u32),
+    /// Past the end (stays there, as Python iterators do once exhausted).
+    Done,
+}
+
+impl QueueCursor {
+    /// Move to the next block and return it. A cursor whose block has left the queue has
+    /// no next block.
+    pub fn advance(&mut self, queue: &FreeQueue) -> Option<u32> {
+        let next = match *self {
+            QueueCursor::Front => queue.front(),
+            QueueCursor::After(id) => queue.next_of(id),
+            QueueCursor::Done => None,
+        };
+        *self = next.map_or(QueueCursor::Done, QueueCursor::After);
+        next
     }
 }
 
@@ -440,5 +464,26 @@ mod tests {
         }
         assert_eq!(order(&q), model);
         q.check().unwrap();
+    }
+
+    #[test]
+    fn cursor_follows_the_queue_as_it_changes() {
+        let mut q = FreeQueue::new_full(5);
+        let mut c = QueueCursor::Front;
+        assert_eq!(c.advance(&q), Some(0));
+        assert_eq!(c.advance(&q), Some(1));
+        q.remove(2);
+        assert_eq!(c.advance(&q), Some(3));
+        q.push_back(2);
+        assert_eq!(c.advance(&q), Some(4));
+        assert_eq!(c.advance(&q), Some(2));
+        assert_eq!(c.advance(&q), None);
+        q.remove(0);
+        q.push_back(0);
+        assert_eq!(c.advance(&q), None, "an exhausted cursor stays exhausted");
+        let mut detached = QueueCursor::After(1);
+        q.remove(1);
+        assert_eq!(detached.advance(&q), None);
+        assert_eq!(detached, QueueCursor::Done);
     }
 }

@@ -34,6 +34,9 @@ pub struct GroupPool {
     queue: FreeQueue,
     cache: PrefixCache,
     enable_caching: bool,
+    /// Tokens covered by one request block hash (vLLM's `hash_block_size`): the unit of
+    /// partial prefix-cache entries.
+    hash_block_size: u32,
 }
 
 /// One block to cache in [`GroupPool::cache_full_blocks`].
@@ -46,14 +49,35 @@ pub struct FullBlock<'a> {
 
 impl GroupPool {
     /// A pool of `num_blocks` blocks (block 0 being the null block), all free but the null
-    /// block, in ID order.
-    pub fn new(num_blocks: usize, enable_caching: bool) -> Result<Self, PoolError> {
-        if num_blocks == 0 || num_blocks > MAX_BLOCKS {
-            return Err(PoolError::InvalidSize {
-                requested: num_blocks,
-                max: MAX_BLOCKS,
-            });
+    /// block, in ID order. Request block hashes cover `hash_block_size` tokens each.
+    /// Sizes are taken as the caller has them (vLLM passes Python ints) and checked here.
+    pub fn new(
+        num_blocks: i64,
+        enable_caching: bool,
+        hash_block_size: i64,
+    ) -> Result<Self, PoolError> {
+        if num_blocks <= 0 {
+            return Err(PoolError::InvalidArgument(format!(
+                "num_gpu_blocks must be positive, got {num_blocks}"
+            )));
         }
+        let num_blocks = match usize::try_from(num_blocks) {
+            Ok(n) if n <= MAX_BLOCKS => n,
+            _ => {
+                return Err(PoolError::InvalidSize {
+                    requested: num_blocks,
+                    max: MAX_BLOCKS,
+                })
+            }
+        };
+        let hash_block_size = match u32::try_from(hash_block_size) {
+            Ok(n) if n > 0 => n,
+            _ => {
+                return Err(PoolError::InvalidArgument(format!(
+                    "hash_block_size must be positive, got {hash_block_size}"
+                )))
+            }
+        };
         let mut queue = FreeQueue::new_full(num_blocks);
         // The null block leaves the queue for good; its count is never maintained.
         queue.pop_front();
@@ -62,6 +86,7 @@ impl GroupPool {
             queue,
             cache: PrefixCache::new(num_blocks),
             enable_caching,
+            hash_block_size,
         })
     }
 
@@ -78,6 +103,11 @@ impl GroupPool {
     #[inline]
     pub fn enable_caching(&self) -> bool {
         self.enable_caching
+    }
+
+    #[inline]
+    pub fn hash_block_size(&self) -> u32 {
+        self.hash_block_size
     }
 
     /// Fraction of usable blocks (all but the null block) in use.
@@ -102,7 +132,7 @@ impl GroupPool {
         }
     }
 
-    fn check_ids(&self, ids: &[BlockId]) -> Result<(), PoolError> {
+    pub(crate) fn check_ids(&self, ids: &[BlockId]) -> Result<(), PoolError> {
         for &id in ids {
             self.check_id(id as i64)?;
         }
@@ -211,6 +241,26 @@ impl GroupPool {
         Ok(())
     }
 
+    /// Whether [`free`](Self::free) of `ids` would succeed. The pool is left as it was
+    /// (counts are lowered as `free` would and then restored), so a caller freeing the
+    /// blocks of several pools can check every pool before it frees any.
+    pub fn check_free(&mut self, ids: &[BlockId]) -> Result<(), PoolError> {
+        self.check_ids(ids)?;
+        for (k, &id) in ids.iter().enumerate() {
+            if id == NULL_BLOCK_ID {
+                continue;
+            }
+            let cnt = &mut self.ref_cnt[id as usize];
+            if *cnt == 0 {
+                self.undo_decrements(&ids[..k]);
+                return Err(PoolError::DoubleFree { block_id: id });
+            }
+            *cnt -= 1;
+        }
+        self.undo_decrements(ids);
+        Ok(())
+    }
+
     fn free_destination(&self, id: BlockId) -> FreeTo {
         if self.enable_caching && self.cache.has_primary(id) {
             FreeTo::Back
@@ -258,24 +308,49 @@ impl GroupPool {
     /// Add one reference to each listed block, taking free ones out of the free queue (a
     /// prefix-cache hit). The null block is passed over.
     pub fn touch(&mut self, ids: &[BlockId]) -> Result<(), PoolError> {
-        self.check_ids(ids)?;
+        self.check_touch(ids)?;
         for &id in ids {
-            if id != NULL_BLOCK_ID
-                && self.ref_cnt[id as usize] >= u32::MAX.saturating_sub(ids.len() as u32)
-            {
+            self.touch_checked(id);
+        }
+        Ok(())
+    }
+
+    /// Whether [`touch`](Self::touch) of `ids` would succeed: IDs in range, no count that
+    /// could overflow even if every listing were of the same block.
+    pub(crate) fn check_touch(&self, ids: &[BlockId]) -> Result<(), PoolError> {
+        self.check_ids(ids)?;
+        let limit = u32::MAX.saturating_sub(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+        for &id in ids {
+            if id != NULL_BLOCK_ID && self.ref_cnt[id as usize] >= limit {
                 return Err(PoolError::RefOverflow { block_id: id });
             }
         }
-        for &id in ids {
-            if id == NULL_BLOCK_ID {
-                continue;
-            }
-            if self.ref_cnt[id as usize] == 0 {
-                self.queue.remove(id);
-            }
-            self.ref_cnt[id as usize] += 1;
-        }
         Ok(())
+    }
+
+    /// One block of a [`touch`](Self::touch) whose list passed
+    /// [`check_touch`](Self::check_touch). The count saturates rather than wraps in case
+    /// a caller's callback changed counts between the check and this step.
+    pub(crate) fn touch_checked(&mut self, id: BlockId) {
+        if id == NULL_BLOCK_ID {
+            return;
+        }
+        let Some(cnt) = self.ref_cnt.get_mut(id as usize) else {
+            return;
+        };
+        if *cnt == 0 {
+            self.queue.remove(id);
+        }
+        *cnt = cnt.saturating_add(1);
+    }
+
+    /// How many of the listed blocks a prefix hit would take out of the free queue: free
+    /// (count 0) blocks other than the null block. vLLM's managers count this per block
+    /// on every admission.
+    pub fn count_evictable(&self, ids: &[BlockId]) -> usize {
+        ids.iter()
+            .filter(|&&id| id != NULL_BLOCK_ID && self.ref_cnt(id) == 0)
+            .count()
     }
 
     /// Set a held block's reference count directly (vLLM's managers write
@@ -371,6 +446,7 @@ impl GroupPool {
 
     /// vLLM's `_remove_cached_block_hashes` / eviction: drop every key of `id`. Returns
     /// how many keys were removed (each reported to `removed`).
+    #[inline]
     pub fn evict(
         &mut self,
         id: BlockId,
@@ -378,6 +454,20 @@ impl GroupPool {
     ) -> Result<usize, PoolError> {
         self.check_id(id as i64)?;
         Ok(self.cache.remove_block(id, |k| removed(id, k)))
+    }
+
+    /// [`evict`](Self::evict) of each listed block, whose IDs were checked. Returns how
+    /// many keys were removed in all.
+    pub(crate) fn evict_checked(
+        &mut self,
+        ids: &[BlockId],
+        mut removed: impl FnMut(BlockId, &[u8]),
+    ) -> usize {
+        let mut count = 0;
+        for &id in ids {
+            count += self.cache.remove_block(id, |k| removed(id, k));
+        }
+        count
     }
 
     /// vLLM's `move_block_hashes`: re-point every key of `src` to `dst`, which must have
@@ -501,19 +591,57 @@ mod tests {
 
     #[test]
     fn new_pool_reserves_the_null_block() {
-        let p = GroupPool::new(5, true).unwrap();
+        let p = GroupPool::new(5, true, 16).unwrap();
         assert_eq!(p.num_free(), 4);
         assert_eq!(p.free_blocks_in_order(), vec![1, 2, 3, 4]);
         assert_eq!(p.usage(), 0.0);
         p.check_invariants().unwrap();
-        assert!(GroupPool::new(0, true).is_err());
-        let single = GroupPool::new(1, true).unwrap();
+        let single = GroupPool::new(1, true, 16).unwrap();
         assert_eq!((single.num_free(), single.usage()), (0, 0.0));
     }
 
     #[test]
+    fn construction_checks_its_sizes() {
+        let err = |n, hbs| GroupPool::new(n, true, hbs).unwrap_err().to_string();
+        assert!(err(0, 16).contains("num_gpu_blocks must be positive, got 0"));
+        assert!(err(-3, 16).contains("got -3"));
+        assert!(err(i64::MAX, 16).contains("at most"));
+        assert!(err(4, 0).contains("hash_block_size must be positive"));
+        assert!(err(4, 1 << 40).contains("hash_block_size"));
+        assert_eq!(GroupPool::new(4, false, 8).unwrap().hash_block_size(), 8);
+    }
+
+    #[test]
+    fn check_free_changes_nothing_either_way() {
+        let mut p = GroupPool::new(6, true, 16).unwrap();
+        let a = p.allocate(3, noop).unwrap();
+        p.touch(&a[..1]).unwrap();
+        let counts = |p: &GroupPool| (0..6).map(|b| p.ref_cnt(b)).collect::<Vec<_>>();
+        let before = counts(&p);
+        p.check_free(&[a[0], 0, a[0], a[1]]).unwrap();
+        assert_eq!(counts(&p), before);
+        assert_eq!(
+            p.check_free(&[a[1], a[2], a[1]]),
+            Err(PoolError::DoubleFree { block_id: a[1] })
+        );
+        assert!(p.check_free(&[7]).is_err());
+        assert_eq!(counts(&p), before);
+        assert_eq!(p.num_free(), 2);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn count_evictable_counts_free_blocks_but_not_the_null_block() {
+        let mut p = GroupPool::new(6, true, 16).unwrap();
+        let a = p.allocate(2, noop).unwrap();
+        assert_eq!(p.count_evictable(&[0, a[0], a[1], 3, 4, 4]), 3);
+        p.free(&a[..1]).unwrap();
+        assert_eq!(p.count_evictable(&[0, a[0], a[1]]), 1);
+    }
+
+    #[test]
     fn allocate_and_free_follow_vllm_order() {
-        let mut p = GroupPool::new(6, true).unwrap();
+        let mut p = GroupPool::new(6, true, 16).unwrap();
         let a = p.allocate(3, noop).unwrap();
         assert_eq!(a, vec![1, 2, 3]);
         assert!(a.iter().all(|&b| p.ref_cnt(b) == 1));
@@ -525,7 +653,7 @@ mod tests {
 
     #[test]
     fn cached_blocks_go_to_the_back_and_are_evicted_on_reuse() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(2, noop).unwrap();
         cache_one(&mut p, a[0], "h1", 16);
         p.free(&[a[1], a[0]]).unwrap();
@@ -543,7 +671,7 @@ mod tests {
 
     #[test]
     fn touch_takes_a_free_cached_block_back() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(1, noop).unwrap();
         cache_one(&mut p, a[0], "h", 16);
         p.free(&a).unwrap();
@@ -556,7 +684,7 @@ mod tests {
 
     #[test]
     fn double_free_is_refused_and_changes_nothing() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(2, noop).unwrap();
         let before = p.free_blocks_in_order();
         assert_eq!(
@@ -574,7 +702,7 @@ mod tests {
 
     #[test]
     fn out_of_range_and_oversized_requests_are_refused() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         assert!(matches!(p.free(&[9]), Err(PoolError::OutOfRange { .. })));
         assert!(matches!(p.touch(&[4]), Err(PoolError::OutOfRange { .. })));
         assert_eq!(
@@ -591,7 +719,7 @@ mod tests {
 
     #[test]
     fn caching_twice_is_refused_but_promotion_is_allowed() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(1, noop).unwrap();
         p.insert_hash(&key("partial", 0), a[0], Some(8)).unwrap();
         let mut removed = vec![];
@@ -623,7 +751,7 @@ mod tests {
 
     #[test]
     fn move_hashes_repoints_every_key() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(2, noop).unwrap();
         p.insert_hash(&key("x", 0), a[0], Some(8)).unwrap();
         p.insert_hash(&key("y", 0), a[0], Some(4)).unwrap();
@@ -641,7 +769,7 @@ mod tests {
 
     #[test]
     fn unpin_puts_blocks_at_the_back() {
-        let mut p = GroupPool::new(5, true).unwrap();
+        let mut p = GroupPool::new(5, true, 16).unwrap();
         let a = p.allocate(2, noop).unwrap();
         let released = p.unpin(&a).unwrap();
         assert_eq!(released, a);
@@ -653,7 +781,7 @@ mod tests {
 
     #[test]
     fn set_ref_cnt_only_on_held_blocks() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(1, noop).unwrap();
         p.set_ref_cnt(a[0], 2).unwrap();
         assert_eq!(p.ref_cnt(a[0]), 2);
@@ -665,7 +793,7 @@ mod tests {
 
     #[test]
     fn reset_needs_every_block_free() {
-        let mut p = GroupPool::new(4, true).unwrap();
+        let mut p = GroupPool::new(4, true, 16).unwrap();
         let a = p.allocate(1, noop).unwrap();
         cache_one(&mut p, a[0], "h", 16);
         assert!(!p.reset_prefix_cache());
@@ -678,7 +806,7 @@ mod tests {
 
     #[test]
     fn without_caching_freed_blocks_go_to_the_front() {
-        let mut p = GroupPool::new(4, false).unwrap();
+        let mut p = GroupPool::new(4, false, 16).unwrap();
         let a = p.allocate(2, noop).unwrap();
         cache_one(&mut p, a[0], "h", 16);
         p.free(&[a[0]]).unwrap();
@@ -696,7 +824,7 @@ mod tests {
     #[test]
     fn random_walk_keeps_invariants() {
         let n = 24usize;
-        let mut p = GroupPool::new(n, true).unwrap();
+        let mut p = GroupPool::new(n as i64, true, 16).unwrap();
         let mut holders: Vec<Vec<BlockId>> = Vec::new();
         let mut seed = 0x2545f4914f6cdd1du64;
         let mut rnd = |m: usize| {
@@ -776,7 +904,7 @@ mod tests {
 
     #[test]
     fn per_block_bookkeeping_is_small() {
-        let p = GroupPool::new(1 << 20, true).unwrap();
+        let p = GroupPool::new(1 << 20, true, 16).unwrap();
         let per_block = p.per_block_heap_bytes() as f64 / (1 << 20) as f64;
         assert!(per_block <= 20.5, "{per_block} bytes per block");
     }

@@ -25,7 +25,6 @@ from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
-    make_block_hash_with_group_id,
     maybe_convert_block_hash,
     resolve_block_hashes,
     to_event_extra_keys,
@@ -153,16 +152,22 @@ class BlockPool(NativeBlockPool):
     def __new__(cls, *args: Any, **kwargs: Any) -> BlockPool:
         # The native constructor takes the arguments that shape the pool; the rest of
         # vLLM's (whose positional order differs between releases) are read in __init__.
-        num_gpu_blocks, enable_caching, hash_block_size, events, collector, _, _, label = (
-            _constructor_args(args, kwargs)
+        num_gpu_blocks, enable_caching, hash_block_size, events, _, _, _, label = _constructor_args(
+            args, kwargs
         )
         return super().__new__(  # type: ignore[no-any-return,call-arg]
-            cls, num_gpu_blocks, enable_caching, hash_block_size, events, collector, label=label
+            cls, num_gpu_blocks, enable_caching, hash_block_size, events, label=label
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # The native __new__ has already validated the arguments and built the pool.
-        _, _, _, enable_kv_cache_events, _, lookahead, medium, _ = _constructor_args(args, kwargs)
+        _, _, _, enable_kv_cache_events, collector, lookahead, medium, _ = _constructor_args(
+            args, kwargs
+        )
+        self.metrics_collector = collector
+        # A Python copy of the native value, read without a native call by the per-request
+        # paths (each of which then makes one native call).
+        self._hash_block_size: int = self.hash_block_size
         self.medium = medium
         self.num_hash_lookahead_tokens = lookahead
         self.kv_event_queue: list[KVCacheEvent] = []
@@ -173,6 +178,27 @@ class BlockPool(NativeBlockPool):
         self.cached_block_hashes_by_block = _ExtraHashesView(self)
         if enable_kv_cache_events:
             self._set_removed_sink(self._append_removed_events)
+
+    @property
+    def metrics_collector(self) -> Any:
+        """vLLM's ``KVCacheMetricsCollector`` (or None). The pool calls its
+        ``on_block_evicted``, ``on_block_allocated`` and ``on_block_accessed`` as the stock
+        pool does; ``reset`` is called here, from :meth:`reset_prefix_cache`."""
+        return self._metrics_collector
+
+    @metrics_collector.setter
+    def metrics_collector(self, collector: Any) -> None:
+        self._metrics_collector = collector
+        # The native pool holds the bound methods (the core decides when each is called).
+        self._set_block_observers(
+            None
+            if collector is None
+            else (
+                collector.on_block_evicted,
+                collector.on_block_allocated,
+                collector.on_block_accessed,
+            )
+        )
 
     # ----------------------------------------------------------------- events
     def _append_removed_events(self, keys: list[bytes]) -> None:
@@ -266,10 +292,9 @@ class BlockPool(NativeBlockPool):
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block
         hashes (null and masked-out blocks are skipped)."""
-        if num_cached_blocks >= num_full_blocks:
-            return
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        self._cache_full_blocks(
+        hashes = resolve_block_hashes(request.block_hashes, self._hash_block_size, block_size)
+        # The pool decides which blocks it caches; with events on it says which.
+        kept = self._cache_full_blocks(
             blocks,
             hashes,
             num_cached_blocks,
@@ -278,13 +303,8 @@ class BlockPool(NativeBlockPool):
             kv_cache_group_id,
             block_mask,
         )
-        if not self.enable_kv_cache_events:
+        if kept is None:
             return
-        kept = [
-            i
-            for i in range(num_cached_blocks, num_full_blocks)
-            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached_blocks])
-        ]
         parent = (
             None
             if num_cached_blocks == 0
@@ -315,7 +335,7 @@ class BlockPool(NativeBlockPool):
         (state is unchanged; external indexers learn about the reuse)."""
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        hashes = resolve_block_hashes(request.block_hashes, self._hash_block_size, block_size)
         indices = range(num_cached_blocks)
         self.kv_event_queue.append(
             self._stored_event(
@@ -342,41 +362,25 @@ class BlockPool(NativeBlockPool):
     ) -> bytes | None:
         """Make ``block`` reachable from the prefix hash at ``num_tokens`` (a multiple of
         ``hash_block_size`` inside the block). Returns the key, or None for the null block."""
-        if block.is_null:
+        cached = self._cache_partial_block(
+            request.block_hashes,
+            block,
+            num_tokens,
+            kv_cache_group_id,
+            block_size,
+            replace_existing_hashes,
+        )
+        if cached is None:
             return None
-        hbs = self.hash_block_size
-        if block_size % hbs != 0 or num_tokens <= 0 or num_tokens % hbs != 0:
-            raise ValueError(
-                f"{self.label}: cache_partial_block: num_tokens={num_tokens} and "
-                f"block_size={block_size} must be positive multiples of hash_block_size={hbs}"
-            )
-        num_hash_blocks = num_tokens // hbs
-        if num_hash_blocks > len(request.block_hashes):
-            raise ValueError(
-                f"{self.label}: cache_partial_block: block {block.block_id}: request has "
-                f"{len(request.block_hashes)} block hashes, {num_hash_blocks} needed"
-            )
-        block_hash = request.block_hashes[num_hash_blocks - 1]
-        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
-        already = block.block_hash == key or self._hash_maps_to(key, block.block_id)
-        covered = block.block_hash_num_tokens
-        if replace_existing_hashes or (
-            not already
-            and block.block_hash is not None
-            and covered is not None
-            and covered < num_tokens
-        ):
-            self._emit_block_removed_events(self._remove_cached_block_hashes(block))
-            already = False
-        self._insert_block_hash(key, block, num_tokens)
-        if self.enable_kv_cache_events and not already:
-            self._append_partial_stored_event(request, block_hash, num_tokens, kv_cache_group_id)
+        key, stored_event_due = cached
+        if stored_event_due:
+            self._append_partial_stored_event(request, key, num_tokens, kv_cache_group_id)
         return key
 
     def _append_partial_stored_event(
-        self, request: Any, block_hash: bytes, num_tokens: int, kv_cache_group_id: int
+        self, request: Any, key: bytes, num_tokens: int, kv_cache_group_id: int
     ) -> None:
-        hbs = self.hash_block_size
+        hbs = self._hash_block_size
         num_hash_blocks = num_tokens // hbs
         parent = request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
         start = (num_hash_blocks - 1) * hbs
@@ -390,7 +394,7 @@ class BlockPool(NativeBlockPool):
         lora = request.lora_request
         self.kv_event_queue.append(
             BlockStored(
-                block_hashes=[maybe_convert_block_hash(block_hash)],
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
                 parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
                 token_ids=request.all_token_ids[start:num_tokens],
                 block_size=num_tokens - start,

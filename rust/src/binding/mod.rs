@@ -1,0 +1,29 @@
+//! The PyO3 binding: the only part of the crate that knows about Python. It converts
+//! Python values to the core's and back, turns the core's errors into Python exceptions,
+//! and holds the Python callables the core's notices are delivered to; the rules are the
+//! core's.
+//!
+//! * [`block`]: `KVCacheBlock`, the block handle vLLM's managers hold (one object per
+//!   block), and the table of handles a pool has handed out;
+//! * [`pool`]: `NativeBlockPool`, one core pool as a Python class, which
+//!   `hybrid_alloc.integration.block_pool.BlockPool` subclasses;
+//! * [`views`]: `pool.blocks`, `pool.free_block_queue` and its iterator;
+//! * [`convert`]: errors, iterables, block hashes and removed keys.
+
+mod block;
+mod convert;
+mod pool;
+mod views;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<block::Block>()?;
+    m.add_class::<pool::NativeBlockPool>()?;
+    m.add_class::<views::BlockTable>()?;
+    m.add_class::<views::FreeQueueView>()?;
+    m.add_class::<views::FreeBlockIterator>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
