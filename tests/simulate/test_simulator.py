@@ -1,0 +1,275 @@
+"""The serving simulator: random traces finish on both layouts without leaking blocks,
+the layouts it builds are the ones the capacity planner predicts, the fake model runner
+behaves as vLLM's runners do, and the ``hybrid-alloc simulate`` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybrid_alloc.traces import Trace, TraceRequest, chat_trace, write_jsonl
+from tests.simulate.cases import SMALL_MAX_MODEL_LEN, SMALL_MODELS, budget, tight_memory
+
+pytest.importorskip("vllm")
+
+GiB = 1 << 30
+
+
+def _sim() -> Any:
+    from hybrid_alloc.integration import simulator
+
+    return simulator
+
+
+# ------------------------------------------------------------------ random traces
+
+
+@st.composite
+def small_traces(draw: st.DrawFn) -> Trace:
+    n = draw(st.integers(4, 20))
+    prefixes = draw(st.lists(st.integers(64, 2500), min_size=1, max_size=3))
+    requests = []
+    for i in range(n):
+        shared = draw(st.one_of(st.none(), st.integers(0, len(prefixes) - 1)))
+        prompt = draw(st.integers(1, 3500)) if i == 0 else draw(st.integers(300, 3500))
+        if shared is not None:
+            prompt = max(prompt, prefixes[shared] + draw(st.integers(0, 400)))
+        prefix_id = prefix_len = None
+        if shared is not None:
+            prefix_id = f"p{shared}"
+            # Some requests read the shared stream to the end (conversation style).
+            prefix_len = draw(st.one_of(st.none(), st.just(prefixes[shared])))
+        requests.append(
+            TraceRequest(
+                arrival=draw(st.integers(0, 20)) * 0.025,
+                prompt_len=prompt,
+                output_len=draw(st.integers(1, 300)),
+                request_id=f"r{i}",
+                prefix_id=prefix_id,
+                prefix_len=prefix_len,
+            )
+        )
+    requests.sort(key=lambda r: r.arrival)
+    return Trace("random", tuple(requests))
+
+
+@settings(max_examples=budget(15), deadline=None)
+@given(
+    trace=small_traces(),
+    name=st.sampled_from(SMALL_MODELS),
+    mode=st.sampled_from(["none", "align"]),
+    max_num_seqs=st.integers(2, 6),
+    worth=st.floats(1.0, 1.6),
+    batched=st.sampled_from([512, 2048, 8192]),
+)
+def test_random_traces_finish_without_leaks(
+    trace: Trace, name: str, mode: str, max_num_seqs: int, worth: float, batched: int
+) -> None:
+    """Every request finishes on both layouts, every block is back in its pool (null
+    blocks aside) and every Rust pool's invariants hold; the layouts preempt or not, hit
+    the prefix cache or not, as the trace and the memory make them."""
+    sim = _sim()
+    memory = tight_memory(name, mode, max_num_seqs, worth)
+    config = sim.SimSettings(
+        memory=memory,
+        mamba_cache_mode=mode,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+    )
+    result = sim.simulate(name, config, trace)
+    for layout, r in result.layouts.items():
+        assert r.ok, f"{layout}: {r.error}"
+        assert r.finished == r.requests == len(trace)
+        assert r.leaked_blocks and all(n == 0 for n in r.leaked_blocks.values()), r.leaked_blocks
+        assert r.generated_tokens == sum(
+            min(q.output_len, SMALL_MAX_MODEL_LEN - min(q.prompt_len, SMALL_MAX_MODEL_LEN - 1))
+            for q in trace.requests
+        )
+        if mode == "none":
+            assert r.prefix_queries == r.prefix_hits == 0
+    assert result.layouts["per-group"].invariants_ok is True
+    assert len(result.layouts["per-group"].pools) >= 2
+
+
+# ------------------------------------------------------------------ layouts vs the planner
+
+
+@pytest.mark.parametrize("mode", ["none", "align"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3.5-0.8b",
+        "qwen3.6-35b-a3b",
+        "nemotron-h-8b",
+        "nemotron-3-nano-30b-a3b",
+        "jamba-v0.1",
+        "falcon-h1-7b",
+        "zamba2-2.7b",
+    ],
+)
+def test_layouts_are_the_planned_ones(name: str, mode: str) -> None:
+    """The simulator builds what the capacity planner predicts for both layouts: stock's
+    block size and shared-pool blocks (vLLM's own platform alignment and sizing), the
+    per-group pools' sizes (this package's sizing)."""
+    from hybrid_alloc.planner import load_model, plan
+
+    sim = _sim()
+    model = load_model(name)
+    max_len = min(32768, model.max_position_embeddings)
+    memory = 160 * GiB + 12345
+    config = sim.SimSettings(
+        memory=memory, mamba_cache_mode=mode, max_num_seqs=32, max_model_len=max_len
+    )
+    result = sim.simulate(name, config, Trace("empty", ()))
+    stock, ours = result.layouts["stock"], result.layouts["per-group"]
+    assert stock.ok and ours.ok, (stock.error, ours.error)
+    p = plan(model, memory, mamba_cache_mode=mode, max_model_len=max_len, max_num_seqs=32)
+    assert stock.attention_block_size == p.stock.block_size
+    assert [pool.num_blocks for pool in stock.pools] == [p.stock.num_blocks]
+    assert ours.attention_block_size == 16
+    planned = sorted((r.num_layers, r.num_blocks) for r in p.ours.rows)
+    assert sorted((pool.layers, pool.num_blocks) for pool in ours.pools) == planned
+
+
+def test_refusals_are_reported_not_raised() -> None:
+    """A layout that cannot be built (here: 64 MiB hold no 32k-token request of
+    Qwen3.6's attention on either layout) has its ``error`` set; the run goes on."""
+    sim = _sim()
+    config = sim.SimSettings(memory=64 << 20, max_num_seqs=8, max_model_len=32768)
+    result = sim.simulate("qwen3.6-35b-a3b", config, chat_trace(num_requests=5))
+    for r in result.layouts.values():
+        assert r.error is not None and "memory" in r.error.lower()
+        assert r.finished == 0 and r.requests == 5
+    assert "not simulated" in sim.format_result(result)
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def test_fake_runner_discards_partial_prefills() -> None:
+    """A prompt longer than the token budget is prefilled in chunks: its first token
+    comes with the last chunk, as vLLM's runners discard the samples of partial
+    prefills; a preempted request's recompute samples nothing until it catches up."""
+    sim = _sim()
+    config = sim.SimSettings(
+        memory=16 * GiB, max_num_seqs=4, max_num_batched_tokens=1000, max_model_len=8192
+    )
+    trace = Trace("one", (TraceRequest(0.0, 4500, 3, "a"),))
+    result = sim.simulate("qwen3.5-0.8b", config, trace)
+    for r in result.layouts.values():
+        # 5 prefill chunks (the first token arrives with the fifth), 2 more decode steps.
+        assert r.ttft_steps["max"] == 4
+        assert r.latency_steps["max"] == 6
+        assert r.generated_tokens == 3
+        assert r.series["running"][:7] == [1] * 7
+
+
+def test_prompts_are_cut_to_the_context() -> None:
+    sim = _sim()
+    trace = Trace(
+        "long",
+        (TraceRequest(0.0, 9000, 50, "a"), TraceRequest(0.1, 100, 5000, "b")),
+    )
+    requests, clipped = sim.requests_from_trace(trace, 25.0, 4096)
+    assert clipped == 1
+    assert len(requests[0].prompt_token_ids) == 4095
+    assert [r.arrival_step for r in requests] == [0, 4]
+    config = sim.SimSettings(memory=16 * GiB, max_model_len=4096, max_num_seqs=4)
+    result = sim.simulate("qwen3.5-0.8b", config, trace)
+    for r in result.layouts.values():
+        # vLLM caps both outputs at max_model_len.
+        assert r.finished == 2 and r.clipped == 1
+        assert r.generated_tokens == 1 + (4096 - 100)
+
+
+def test_qwen35_configs_become_qwen3_next() -> None:
+    from hybrid_alloc.planner import load_config
+
+    sim = _sim()
+    cfg = sim._engine_hf_config(load_config("qwen3.6-35b-a3b"))
+    assert cfg["model_type"] == "qwen3_next"
+    assert cfg["architectures"] == ["Qwen3NextForCausalLM"]
+    assert "text_config" not in cfg and cfg["num_hidden_layers"] == 40
+    plain = sim._engine_hf_config(load_config("jamba-v0.1"))
+    assert plain["model_type"] == "jamba" and not any(k.startswith("_") for k in plain)
+
+
+def test_layout_install_state_is_restored() -> None:
+    from hybrid_alloc import integration
+
+    sim = _sim()
+    before = integration.installed()
+    with sim.layout_installed("stock"):
+        assert integration.installed() is None
+    assert integration.installed() == before
+    with sim.layout_installed("per-group"):
+        assert integration.installed() == ("rust", True)
+    assert integration.installed() == before
+    with pytest.raises(ValueError, match="layout"), sim.layout_installed("mine"):
+        pass
+
+
+def test_bad_settings() -> None:
+    sim = _sim()
+    with pytest.raises(ValueError, match="mamba_cache_mode"):
+        sim.SimSettings(memory=GiB, mamba_cache_mode="all")
+    with pytest.raises(ValueError, match="platform"):
+        sim.SimSettings(memory=GiB, platform="tpu")
+    with pytest.raises(ValueError, match="memory"):
+        sim.SimSettings(memory=0)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybrid_alloc.cli import main
+
+    png, out, saved = tmp_path / "sim.png", tmp_path / "sim.json", tmp_path / "trace.jsonl"
+    args = ["simulate", "qwen3.5-0.8b", "--memory", "8GiB", "--trace", "prefix"]
+    args += ["--num-requests", "12", "--mamba-cache-mode", "align", "--max-num-seqs", "8"]
+    args += ["--max-model-len", "8192", "--plot", str(png), "--json", str(out)]
+    assert main([*args, "--save-trace", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert "per-group / stock" in text and "prefix-cache hit rate" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(out.read_text())
+    assert set(data["layouts"]) == {"stock", "per-group"}
+    assert data["layouts"]["per-group"]["finished"] == 12
+    assert len(data["layouts"]["stock"]["series"]["running"]) > 0
+    # The saved trace replays to the same numbers.
+    replay = ["simulate", "qwen3.5-0.8b", "--memory", "8GiB", "--trace", str(saved)]
+    replay += ["--mamba-cache-mode", "align", "--max-num-seqs", "8", "--max-model-len", "8192"]
+    assert main([*replay, "--json", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    for layout in ("stock", "per-group"):
+        for key in ("steps", "finished", "prefix_hits", "preemptions", "generated_tokens"):
+            assert again["layouts"][layout][key] == data["layouts"][layout][key]
+
+
+def test_cli_simulate_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybrid_alloc.cli import main
+
+    assert main(["simulate", "qwen3.5-0.8b", "--trace", str(tmp_path / "x.jsonl")]) == 1
+    assert "neither a trace kind" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival": 0}\n')
+    assert main(["simulate", "qwen3.5-0.8b", "--trace", str(bad)]) == 1
+    assert "line 1" in capsys.readouterr().err
+    trace = write_jsonl(chat_trace(num_requests=3), tmp_path / "ok.jsonl")
+    assert main(["simulate", "nope-model", "--trace", str(trace)]) == 1
+    assert main(["simulate", "qwen3.5-0.8b", "--trace", str(trace), "--layouts", "x"]) == 1
+
+
+def test_cli_imports_no_vllm() -> None:
+    """``plan`` keeps working without vLLM: the CLI imports the simulator lazily."""
+    code = "import sys, hybrid_alloc.cli, hybrid_alloc.traces; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
