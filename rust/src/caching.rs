@@ -249,10 +249,7 @@ impl GroupPool {
         make_key(&mut key, hash.as_ref(), entry.group_id);
         let cache = self.cache();
         let mut newly_cached = !(cache.primary(id) == Some(&key[..]) || cache.contains(&key, id));
-        let promoted = newly_cached
-            && self
-                .block_hash_num_tokens(id)
-                .is_some_and(|covered| covered < num_tokens);
+        let promoted = newly_cached && self.promotes(id, num_tokens);
         if entry.replace_existing || promoted {
             self.evict(id, &mut removed)?;
             newly_cached = true;

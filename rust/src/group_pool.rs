@@ -190,14 +190,17 @@ impl GroupPool {
     /// leave them otherwise untouched (still cached, count 0) so that a caller can notify
     /// reuse watchers in between, as vLLM does.
     pub fn pop_free(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
-        let mut ids = Vec::with_capacity(n);
-        if !self.queue.pop_front_n(n, &mut ids) {
-            return Err(PoolError::NotEnoughFree {
-                requested: n,
-                free: self.num_free(),
-            });
+        // Checked before anything is reserved: `n` comes from the caller.
+        if n <= self.num_free() {
+            let mut ids = Vec::with_capacity(n);
+            if self.queue.pop_front_n(n, &mut ids) {
+                return Ok(ids);
+            }
         }
-        Ok(ids)
+        Err(PoolError::NotEnoughFree {
+            requested: n,
+            free: self.num_free(),
+        })
     }
 
     /// Second half of [`allocate`](Self::allocate), for blocks returned by
@@ -402,16 +405,11 @@ impl GroupPool {
                     op: "cache",
                 });
             }
-            if self.cache.has_primary(fb.block) {
-                match self.cache.primary_tokens(fb.block) {
-                    Some(t) if t < fb.num_tokens => {}
-                    _ => {
-                        return Err(PoolError::BadState {
-                            block_id: fb.block,
-                            reason: "the block is already cached as a full block".into(),
-                        })
-                    }
-                }
+            if self.cache.has_primary(fb.block) && !self.promotes(fb.block, fb.num_tokens) {
+                return Err(PoolError::BadState {
+                    block_id: fb.block,
+                    reason: "the block is already cached as a full block".into(),
+                });
             }
         }
         let mut key = Vec::new();
@@ -423,6 +421,15 @@ impl GroupPool {
             self.cache.insert(&key, fb.block, Some(fb.num_tokens));
         }
         Ok(())
+    }
+
+    /// Whether an entry covering `num_tokens` promotes block `id`: its primary entry covers
+    /// fewer tokens (a partial entry growing towards the full block). A promoted block's
+    /// old keys are dropped before the new entry is added.
+    pub fn promotes(&self, id: BlockId, num_tokens: u32) -> bool {
+        self.cache
+            .primary_tokens(id)
+            .is_some_and(|covered| covered < num_tokens)
     }
 
     /// vLLM's `_insert_block_hash`: make `id` reachable from `key` (a full
@@ -712,6 +719,11 @@ mod tests {
                 free: 3
             })
         );
+        // A huge request is refused before anything is reserved for it.
+        assert!(matches!(
+            p.allocate(1 << 60, noop),
+            Err(PoolError::NotEnoughFree { .. })
+        ));
         assert_eq!(p.num_free(), 3);
         assert!(p.check_id(-1).is_err());
         p.check_invariants().unwrap();

@@ -113,3 +113,15 @@ def test_free_queue_iterator_follows_the_queue() -> None:
     pool.get_new_blocks(2)  # takes 1 and 2: the iterator's block left the queue
     assert list(it) == []
     assert [b.block_id for b in pool.free_block_queue.iter_blocks_after(pool.blocks[3])] == [4, 5]
+
+
+def test_huge_requests_are_refused_before_anything_is_reserved() -> None:
+    pool = BlockPool(8, True, HBS, label="pool-a")
+    for n in (2**40, 2**62):
+        with pytest.raises(ValueError, match="pool-a: Cannot get"):
+            pool.get_new_blocks(n)
+    with pytest.raises(ValueError, match="block_mask has 1 entries"):
+        pool._cache_full_blocks([], [], 0, 2**62, HBS, 0, [True])
+    with pytest.raises(IndexError):
+        pool._cache_full_blocks([], [], 0, 2**62, HBS, 0)
+    pool.check_invariants()
