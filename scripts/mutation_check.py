@@ -51,7 +51,8 @@ MUTANTS = (
         "skip-shared-decrement",
         "free() of a block held twice leaves its count alone",
         "rust/src/group_pool.rs",
-        "            *cnt -= 1;\n            if *cnt == 0 {\n                match self.free_destination(id)",
+        "            *cnt -= 1;\n"
+        "            if *cnt == 0 {\n                match self.free_destination(id)",
         "            if *cnt == 1 {\n                *cnt -= 1;\n            }\n"
         "            if *cnt == 0 {\n                match self.free_destination(id)",
         ("tests/pool/test_differential.py",),
@@ -78,7 +79,8 @@ MUTANTS = (
         "a mixed free hands other pools' blocks to the pool it was called on",
         "rust/src/routing.rs",
         "        if pool == *this {\n            routed.own.push(value);",
-        "        if pool == *this || routed.own.len() < usize::MAX {\n            routed.own.push(value);",
+        "        if pool == *this || routed.own.len() < usize::MAX {\n"
+        "            routed.own.push(value);",
         ("tests/pool_set/test_fuzz_pool_set.py", "tests/pool_set/test_pool_set.py"),
     ),
     Mutant(

@@ -2,8 +2,9 @@
 # Run every check and test of the project: Rust format, lints and unit tests, Python lints,
 # then pytest against vLLM 0.32.0 (everything, engine end-to-end tests included) and against
 # vLLM 0.33.0 (every test that needs no engine: pool, pool set, manager, planner,
-# integration), then the mutation check (scripts/mutation_check.py). Installs what it needs first (scripts/setup_env.sh, one environment per
-# vLLM release). Extra arguments go to both pytest runs.
+# integration), then the mutation check (scripts/mutation_check.py). Installs what it needs
+# first (scripts/setup_env.sh, one environment per vLLM release). Extra arguments go to both
+# pytest runs.
 #
 #   HYBRID_ALLOC_HYPOTHESIS_PROFILE=long   deeper fuzzing (default: ci, derandomized)
 set -euo pipefail
