@@ -30,7 +30,7 @@ and its own region of the backing allocation, aligned to `REGION_ALIGNMENT`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 GroupKind = Literal["growing", "bounded", "fixed"]
@@ -376,3 +376,139 @@ def _min_budget(
     nulls = sum(g.block_bytes for g in growing)
     total_weight = sum(g.blocks_per_request * g.block_bytes for g in growing)
     return fixed_bytes + padding + nulls + total_weight
+
+
+# ----------------------------------------------------------------- pipeline stages
+
+
+def size_stages(
+    stages: Sequence[Sequence[GroupNeeds | None]],
+    available_bytes: Sequence[int],
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+    region_alignment: int = REGION_ALIGNMENT,
+) -> Sizing:
+    """Pools whose block counts hold on every worker that holds layers of the groups.
+
+    With pipeline parallelism each stage (worker) holds some of every group's layers, and
+    the scheduler's one pool per group hands the same block IDs to every stage: a pool has
+    one block count everywhere, and each stage's memory must hold its own layers' share.
+    ``stages[s][i]`` is group ``i`` as stage ``s`` holds it (its ``num_layers`` are that
+    stage's; None: the stage holds none of it). Each stage is sized by :func:`size_pools`
+    on its own groups; fixed and bounded pools come out the same on every stage, growing
+    pools take the fewest blocks any stage affords (fewer blocks never need more memory).
+    A stage that holds no group counted in capacity only has to hold its fixed pools.
+
+    Returns the sizing with each group's needs over all stages (``num_layers`` summed) and
+    ``available_bytes`` summed; with one stage it is :func:`size_pools`'s own result.
+
+    Raises:
+        ValueError / SizingError: as :func:`size_pools`, for the first stage that fails.
+    """
+    if len(stages) != len(available_bytes) or not stages:
+        raise ValueError("per-group KV-cache pools: one memory figure per stage needed")
+    width = len(stages[0])
+    if any(len(stage) != width for stage in stages):
+        raise ValueError("per-group KV-cache pools: every stage lists every group")
+    merged: list[GroupNeeds] = []
+    for i in range(width):
+        present = [stage[i] for stage in stages if stage[i] is not None]
+        if not present:
+            raise ValueError(f"per-group KV-cache pools: group {i} has no layer on any stage")
+        first = present[0]
+        for other in present[1:]:
+            if (other.kind, other.page_bytes, other.blocks_per_request, other.state_factor) != (
+                first.kind,
+                first.page_bytes,
+                first.blocks_per_request,
+                first.state_factor,
+            ):
+                raise ValueError(f"per-group KV-cache pools: {first.name} differs between stages")
+        merged.append(replace(first, num_layers=sum(g.num_layers for g in present)))
+    counted = counted_in_capacity([g.kind for g in merged])
+    if len(stages) == 1 and all(g is not None for g in stages[0]):
+        return size_pools(
+            [g for g in stages[0] if g is not None],
+            available_bytes=available_bytes[0],
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_blocks_override=num_blocks_override,
+            region_alignment=region_alignment,
+        )
+    sizes: list[int | None] = [
+        None if c else fixed_pool_blocks(g, max_num_seqs)
+        for g, c in zip(merged, counted, strict=True)
+    ]
+    for stage, memory in zip(stages, available_bytes, strict=True):
+        index = [i for i, g in enumerate(stage) if g is not None]
+        own = [g for g in stage if g is not None]
+        if not any(counted[i] for i in index):
+            fixed = tuple(PoolSize(g, fixed_pool_blocks(g, max_num_seqs), False) for g in own)
+            need = sum(p.bytes for p in fixed) + region_alignment * len(own)
+            if need > memory:
+                raise SizingError(
+                    f"per-group KV-cache pools: {memory:,} bytes of KV-cache memory of a "
+                    f"pipeline stage do not hold its fixed-size pools for max_num_seqs="
+                    f"{max_num_seqs} requests ({need:,} B); {need - memory:,} bytes short: "
+                    "lower max_num_seqs or give the KV cache more memory",
+                    need - memory,
+                    fixed,
+                )
+            continue
+        result = size_pools(
+            own,
+            available_bytes=memory,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_blocks_override=num_blocks_override,
+            region_alignment=region_alignment,
+        )
+        for i, pool in zip(index, result.pools, strict=True):
+            if counted[i]:
+                current = sizes[i]
+                sizes[i] = pool.num_blocks if current is None else min(current, pool.num_blocks)
+    # Every counted group is on some stage, which sized it.
+    pools = tuple(PoolSize(g, n or 0, c) for g, n, c in zip(merged, sizes, counted, strict=True))
+    return Sizing(pools, sum(available_bytes), max_model_len)
+
+
+def largest_fitting_num_seqs(
+    stages: Sequence[Sequence[GroupNeeds | None]],
+    available_bytes: Sequence[int],
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+    region_alignment: int = REGION_ALIGNMENT,
+) -> int:
+    """The largest request count up to ``max_num_seqs`` whose fixed and bounded pools fit
+    next to growing pools that hold one ``max_model_len`` request (:func:`size_stages`
+    succeeds), or 0 where not even one request fits. Fitting is monotone in the count:
+    fewer requests never need more memory."""
+
+    def fits(n: int) -> bool:
+        try:
+            size_stages(
+                stages,
+                available_bytes,
+                max_num_seqs=n,
+                max_model_len=max_model_len,
+                num_blocks_override=num_blocks_override,
+                region_alignment=region_alignment,
+            )
+        except SizingError:
+            return False
+        return True
+
+    if fits(max_num_seqs):
+        return max_num_seqs
+    low, high = 0, max_num_seqs  # fits(low) or low == 0; not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -185,3 +185,64 @@ def test_supported_vllm_installs_and_uninstalls(
     assert coordinator.BlockPool is stock_pool.BlockPool
     for module in (block_pool, manager_patches, worker, engine_sizing, pg_coordinator):
         assert not module.is_installed(), module.__name__
+
+
+# ------------------------------------------------------------------ speculative decoding
+@pytest.mark.parametrize("use_eagle", [False, True])
+def test_spec_decode_admission_per_pool(use_eagle: bool) -> None:
+    """With speculative decoding a 'none'-mode Mamba request holds 1 + num_speculative
+    state blocks; admission asks each pool for its own share, lookahead tokens included:
+    a Mamba pool for two such requests admits two and refuses a third while attention
+    blocks are plenty, and decode steps with lookahead need no further state block."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from hybrid_alloc import integration
+    from hybrid_alloc.integration import coordinator as pg_coordinator
+    from tests.helpers import (
+        MAX_LEN,
+        attn,
+        new_request,
+        per_group_config,
+        scheduler_block_size,
+        state_mamba,
+    )
+
+    spec = 2
+    specs = [attn(), state_mamba("none", speculative_blocks=spec)]
+    config = per_group_config(specs, [200, 2 * (1 + spec) + 1])
+    integration.install(per_group_pools=False)
+    pg_coordinator.install()
+    try:
+        mgr = KVCacheManager(
+            config,
+            max_model_len=MAX_LEN,
+            scheduler_block_size=scheduler_block_size(specs),
+            hash_block_size=16,
+            enable_caching=False,
+            use_eagle=use_eagle,
+        )
+    finally:
+        pg_coordinator.uninstall()
+        integration.uninstall()
+    pools = mgr.block_pool
+    attention, mamba_pool = pools.pool_for_group(0), pools.pool_for_group(1)
+    requests = [new_request(f"r{i}", list(range(3, 43))) for i in range(3)]
+    for i, request in enumerate(requests[:2]):
+        assert mgr.allocate_slots(request, 40, num_lookahead_tokens=spec) is not None
+        assert mamba_pool.get_num_free_blocks() == (1 - i) * (1 + spec)
+        state_blocks = mgr.get_block_ids(request.request_id)[1]
+        assert len(state_blocks) == 1 + spec and all(state_blocks)
+    free_attention = attention.get_num_free_blocks()
+    assert free_attention > 100
+    assert mgr.allocate_slots(requests[2], 40, num_lookahead_tokens=spec) is None
+    assert attention.get_num_free_blocks() == free_attention  # refused: nothing taken
+    # Decode steps: one verified token plus `spec` drafts, `spec` lookahead slots.
+    request = requests[0]
+    for step in range(5):
+        request.append_output_token_ids(7)
+        request.num_computed_tokens = request.num_tokens - 1
+        assert mgr.allocate_slots(request, 1 + spec, num_lookahead_tokens=spec) is not None
+        assert mamba_pool.get_num_free_blocks() == 0, step
+    mgr.free(requests[0])
+    assert mamba_pool.get_num_free_blocks() == 1 + spec
+    assert mgr.allocate_slots(requests[2], 40, num_lookahead_tokens=spec) is not None

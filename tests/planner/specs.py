@@ -186,11 +186,12 @@ def engine_config(
     in_flight: int = 2048,
     override: int | None = None,
     caching: bool | None = None,
+    spec: int = 0,
 ) -> SimpleNamespace:
     """The fields of ``VllmConfig`` that vLLM's sizing functions and the engine sizing read
-    (an engine per-group pools serve: no speculation, connectors or parallelism). vLLM runs
-    Mamba in 'align' mode with prefix caching, in 'none' mode without: ``caching`` defaults
-    to that."""
+    (no connectors or parallelism; ``spec`` speculative tokens of an n-gram drafter). vLLM
+    runs Mamba in 'align' mode with prefix caching, in 'none' mode without: ``caching``
+    defaults to that."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     return SimpleNamespace(
@@ -206,7 +207,14 @@ def engine_config(
             enable_prefix_caching=mode == "align" if caching is None else caching,
             prefix_match_unit=None,
         ),
-        speculative_config=None,
+        speculative_config=(
+            SimpleNamespace(
+                method="ngram", num_speculative_tokens=spec, use_eagle_block_drop=lambda: False
+            )
+            if spec
+            else None
+        ),
+        num_speculative_tokens=spec,
         kv_transfer_config=None,
         model_config=SimpleNamespace(max_model_len=max_len, original_max_model_len=max_len),
         parallel_config=SimpleNamespace(

@@ -85,12 +85,13 @@ def _engine_pools(
     max_len: int,
     seqs: int,
     kv: int,
+    spec: int = 0,
 ) -> tuple[Any, Any]:
     from hybrid_alloc.integration import engine_sizing
     from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
     pin_cpu_platform(monkeypatch)
-    vc = engine_config(mode, max_len, seqs)
+    vc = engine_config(mode, max_len, seqs, spec=spec)
     assert engine_sizing.unsupported_reason(vc, [specs]) is None
     (config,) = engine_sizing.get_kv_cache_configs(vc, [specs], [kv])
     assert isinstance(config, PerGroupKVCacheConfig), "fell back to vLLM's shared pool"
@@ -141,6 +142,35 @@ def test_shipped_configs(name: str, mode: str, monkeypatch: pytest.MonkeyPatch) 
     assert [r.grows for r in p.ours.rows] == [
         isinstance(g.spec, AttentionLayerSpec) for g in p.groups
     ]
+
+
+@pytest.mark.parametrize("name", sorted(shipped_configs()))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spec", [1, 2, 3])
+def test_shipped_configs_with_speculation(
+    name: str, mode: str, spec: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--num-speculative-tokens``: vLLM's Mamba specs hold one scratch state per
+    speculative token (and Mamba2 convolution states grow with them); the engine sizing
+    and the planner agree on every pool, and the Mamba pools hold exactly
+    ``max_num_seqs x`` what a running request holds (``1 + spec`` states in 'none' mode)."""
+    cfg = load_config(name)
+    model = model_from_config(cfg)
+    L, kv, seqs = 32768, 160 * GiB + 12345, 64
+    p = plan(
+        model, kv, mamba_cache_mode=mode, max_model_len=L, max_num_seqs=seqs, num_spec_tokens=spec
+    )
+    specs = vllm_layer_specs(model, mode=mode, max_len=L, block=16, cfg=cfg, spec=spec)
+    vc, config = _engine_pools(monkeypatch, specs, mode, L, seqs, kv, spec=spec)
+    _assert_same_pools(p.ours, vc, config, specs, kv)
+    for row in p.ours.rows:
+        if not row.grows and mode == "none":
+            assert row.blocks_per_request == 1 + spec
+            assert row.num_blocks == seqs * (1 + spec) + 1
+    if mode == "none":
+        # Per-group pools reach the physical limit with speculation on, as without ('align'
+        # mode keeps cached states on top, a policy: ALIGN_CACHE_FACTOR).
+        assert p.ours.concurrency >= 0.99 * p.physical.concurrency
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -206,3 +236,84 @@ def test_two_growing_groups(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The stock model covers one attention page size only.
     with pytest.raises(NotImplementedError):
         plan(model, kv, mamba_cache_mode=mode, max_model_len=L, max_num_seqs=seqs)
+
+
+def _draft_config(method: str, spec: int, mode: str, L: int, seqs: int) -> Any:
+    from types import SimpleNamespace
+
+    vc = engine_config(mode, L, seqs, spec=spec)
+    vc.speculative_config = SimpleNamespace(
+        method=method, num_speculative_tokens=spec, use_eagle_block_drop=lambda: True
+    )
+    vc.model_config.hf_config = SimpleNamespace(model_type="qwen3_next")
+    return vc
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spec", [1, 3])
+def test_mtp_draft_layer_joins_the_attention_pool(
+    mode: str, spec: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3.6-35B-A3B at full size with an MTP drafter (vLLM registers the MTP block's
+    attention layer after the target's, with the target attention's spec): the draft
+    layer joins the attention group, which is flagged as the draft group (the scheduler
+    drops the last block of its prefix hits); the GDN pool holds max_num_seqs x
+    (1 + spec) states in 'none' mode, and the attention pool pays for the extra layer."""
+    from hybrid_alloc.integration import engine_sizing
+    from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+
+    cfg = load_config("qwen3.6-35b-a3b")
+    model = model_from_config(cfg)
+    L, kv, seqs = 32768, 80 * GiB + 321, 64
+    specs = vllm_layer_specs(model, mode=mode, max_len=L, block=16, cfg=cfg, spec=spec)
+    target = next(s for s in specs.values() if type(s).__name__ == "FullAttentionSpec")
+    specs["mtp.layers.0.self_attn.attn"] = target
+    pin_cpu_platform(monkeypatch)
+    vc = _draft_config("mtp", spec, mode, L, seqs)
+    assert engine_sizing.unsupported_reason(vc, [specs]) is None
+    (config,) = engine_sizing.get_kv_cache_configs(vc, [specs], [kv])
+    assert isinstance(config, PerGroupKVCacheConfig)
+    mamba, attention = config.kv_cache_groups
+    assert "mtp.layers.0.self_attn.attn" in attention.layer_names
+    assert attention.is_eagle_group and not mamba.is_eagle_group
+    per_state = (2 + spec + 0) if mode == "align" else 1 + spec
+    factor = 2 if mode == "align" else 1
+    assert config.pool_layouts[0].num_blocks == seqs * per_state * factor + 1
+    # Without the draft layer the attention pool would hold more blocks.
+    plain = {k: v for k, v in specs.items() if not k.startswith("mtp.")}
+    (without,) = engine_sizing.get_kv_cache_configs(
+        _draft_config("mtp", spec, mode, L, seqs), [plain], [kv]
+    )
+    assert without.pool_layouts[1].num_blocks > config.pool_layouts[1].num_blocks
+
+
+def test_eagle_draft_with_its_own_spec_gets_a_growing_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EAGLE drafter whose attention differs from the target's (here: twice the KV
+    heads) gets a group and a growing pool of its own, sized in proportion to one
+    max_model_len request like the target's; its group is flagged where its spec marks
+    it as a draft layer (vLLM 0.33's ``is_draft``), else nothing is flagged and vLLM's
+    coordinator treats every group as a draft group."""
+    from dataclasses import fields, replace
+
+    from hybrid_alloc.integration import engine_sizing
+
+    cfg = load_config("qwen3.6-35b-a3b")
+    model = model_from_config(cfg)
+    L, kv, seqs = 32768, 80 * GiB + 321, 64
+    specs = vllm_layer_specs(model, mode="none", max_len=L, block=16, cfg=cfg, spec=2)
+    target = next(s for s in specs.values() if type(s).__name__ == "FullAttentionSpec")
+    draft = replace(target, num_kv_heads=2 * target.num_kv_heads)
+    marked = "is_draft" in {f.name for f in fields(draft)}
+    if marked:
+        draft = replace(draft, is_draft=True)
+    specs["draft_model.layers.0.attn"] = draft
+    pin_cpu_platform(monkeypatch)
+    vc = _draft_config("eagle", 2, "none", L, seqs)
+    (config,) = engine_sizing.get_kv_cache_configs(vc, [specs], [kv])
+    groups = config.kv_cache_groups
+    assert [len(g.layer_names) for g in groups][-1] == 1
+    assert [p.grows for p in config.pool_layouts] == [False, True, True]
+    assert [g.is_eagle_group for g in groups] == [False, False, marked]
+    target_pool, draft_pool = config.pool_layouts[1:]
+    # Same number of max_model_len requests in both growing pools (up to rounding).
+    assert abs(target_pool.num_blocks - draft_pool.num_blocks) <= 1

@@ -49,13 +49,14 @@ def test_pool_sizes(mode: str) -> None:
     assert pools.used_bytes <= memory
     # Everything left (but rounding and region padding) goes to attention.
     assert memory - pools.used_bytes < attention_needs.block_bytes + model.REGION_ALIGNMENT * 2
-    with pytest.raises(ValueError, match="max_num_seqs") as small:
-        sizing.size_groups(cfg, groups, mamba_needs.block_bytes * 4)
-    # The error names the group and the numbers.
+    # Not even one request fits: an error that names the group and the numbers.
+    one = (mamba_needs.blocks_per_request * factor + 1) * mamba_needs.block_bytes
+    with pytest.raises(ValueError, match=r"not even one request fits \(max_num_seqs=16") as small:
+        sizing.size_groups(cfg, groups, mamba_needs.block_bytes * 2)
     assert "group 0 (MambaSpec x3 layers" in str(small.value)
-    assert f"{sizes[0] * mamba_needs.block_bytes:,} B" in str(small.value)
+    assert f"{one:,} B" in str(small.value)
     with pytest.raises(ValueError, match="max_model_len") as short:
-        sizing.size_groups(cfg, groups, sizes[0] * mamba_needs.block_bytes + 100_000)
+        sizing.size_groups(cfg, groups, one + 100_000)
     assert "group 1 (FullAttentionSpec" in str(short.value)
     assert isinstance(short.value, model.SizingError) and short.value.shortfall_bytes > 0
     over = sizing.size_groups(small_engine_config(mode, override=80), groups, memory)
@@ -164,10 +165,12 @@ def test_unsupported_engines_fall_back() -> None:
     assert sizing.unsupported_reason(cfg, [specs]) is None
     assert "hybrid" in (sizing.unsupported_reason(cfg, [{"l.3": attention()}]) or "")
     assert "'all'" in (sizing.unsupported_reason(cfg, [qwen_like_specs("all")]) or "")
-    assert "pipeline" in (sizing.unsupported_reason(cfg, [specs, {"l.3": attention()}]) or "")
-    cfg.speculative_config = object()
-    assert "speculative" in (sizing.unsupported_reason(cfg, [specs]) or "")
-    assert "speculative" in (sizing.config_unsupported_reason(cfg) or "")
+    # Pipeline stages hold different layers: served, unless they disagree on a layer.
+    assert sizing.unsupported_reason(cfg, [specs, {"l.3": attention()}]) is None
+    other = {"l.3": attention(head_size=128)}
+    assert "different specs" in (sizing.unsupported_reason(cfg, [specs, other]) or "")
+    cfg.kv_transfer_config = object()
+    assert "connectors" in (sizing.config_unsupported_reason(cfg) or "")
 
 
 def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,6 +223,69 @@ def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     with pytest.raises(RuntimeError, match="HYBRID_ALLOC_PER_GROUP_POOLS=0"):
         sizing.get_kv_cache_configs(cfg, [natural], [8 << 20])
-    cfg.speculative_config = object()  # the workers padded: vLLM sizes it
+    cfg.kv_transfer_config = object()  # the workers padded: vLLM sizes it
     sizing.get_kv_cache_configs(cfg, [padded], [8 << 20])
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_over_subscription_lowers_concurrency(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The Mamba states of max_num_seqs requests do not fit next to one max_model_len
+    request: the pools are sized for as many requests as fit, and one warning names both
+    counts; the scheduler's admission then waits on the Mamba pool."""
+    import logging
+
+    from hybrid_alloc.integration import engine_sizing as sizing
+
+    cfg = small_engine_config(mode, caching=mode == "align")
+    groups = sizing.build_groups(qwen_like_specs(mode))
+    fits = sizing.size_groups(cfg, groups, 8 << 20)
+    mamba, attention = (p.needs for p in fits.pools)
+    attention_bytes = (attention.blocks_per_request + 1) * attention.block_bytes
+    per_seq = mamba.blocks_per_request * mamba.state_factor * mamba.block_bytes
+    # Room for 5 requests' states (and the null block), the region padding, one request.
+    memory = 5 * per_seq + mamba.block_bytes + attention_bytes + 2 * 4096 + 1000
+    with caplog.at_level(logging.WARNING, logger="vllm.hybrid_alloc"):
+        pools = sizing.size_groups(cfg, groups, memory)
+    assert pools.pools[0].num_blocks == 5 * mamba.blocks_per_request * mamba.state_factor + 1
+    assert pools.pools[1].num_blocks - 1 >= attention.blocks_per_request
+    (line,) = [r.getMessage() for r in caplog.records if "max_num_seqs=16" in r.getMessage()]
+    assert "sized for 5 requests" in line and "at most 5 requests run at once" in line
+
+
+def test_pipeline_stages_share_block_counts() -> None:
+    """Pipeline parallelism: each stage reports its own layers. One sizing for all: the
+    Mamba pool the same everywhere, the attention pool the fewest blocks any stage
+    affords; each stage's config holds every group but tensors for its own layers only."""
+    from hybrid_alloc import sizing as model
+    from hybrid_alloc.integration import engine_sizing as sizing
+
+    cfg = small_engine_config("none")
+    m = small_mamba("none")
+    stage0 = {"l.0": m, "l.1": m, "l.2": m, "l.3": attention()}
+    stage1 = {"l.4": m, "l.5": attention(), "l.6": attention(), "l.7": m}
+    memory = [8 << 20, 8 << 20]
+    configs = sizing.get_kv_cache_configs(cfg, [stage0, stage1], memory)
+    assert [c.num_blocks for c in configs] == [configs[0].num_blocks] * 2
+    for config, own in zip(configs, (stage0, stage1), strict=True):
+        assert isinstance(config, PerGroupKVCacheConfig)
+        assert [len(g.layer_names) for g in config.kv_cache_groups] == [
+            sum(isinstance(s, type(m)) for s in own.values()),
+            sum(not isinstance(s, type(m)) for s in own.values()),
+        ]
+        assert sorted(n for t in config.kv_cache_tensors for n in t.layers) == sorted(own)
+        assert config.kv_cache_tensors[0].size <= memory[0]
+    sizes = [p.num_blocks for p in configs[0].pool_layouts]
+    assert sizes == [p.num_blocks for p in configs[1].pool_layouts]
+    assert sizes[0] == 16 + 1
+    # Stage 1 holds two attention layers per block: it bounds the attention pool.
+    alone = sizing.size_groups(cfg, sizing.build_groups(stage1), memory[1])
+    assert sizes[1] == alone.pools[1].num_blocks
+    stages = [
+        [model.GroupNeeds("m", "fixed", 1000, 3, 1), model.GroupNeeds("a", "growing", 500, 1, 8)],
+        [model.GroupNeeds("m", "fixed", 1000, 1, 1), None],
+    ]
+    both = model.size_stages(stages, [1 << 20, 1 << 20], max_num_seqs=4, max_model_len=128)
+    assert [p.needs.num_layers for p in both.pools] == [4, 1]
+    with pytest.raises(model.SizingError, match="pipeline stage"):
+        model.size_stages(stages, [1 << 20, 3000], max_num_seqs=4, max_model_len=128)

@@ -84,12 +84,18 @@ def build_workload(
     prefix_len: int,
     suffix_len: int,
     waves: int,
+    pattern_len: int = 0,
 ) -> list[list[list[int]]]:
-    """Token-ID prompts, one list per wave. Deterministic in all arguments."""
+    """Token-ID prompts, one list per wave. Deterministic in all arguments. With
+    ``pattern_len`` every prefix and suffix repeats a random pattern of that many tokens
+    (n-gram speculation then finds matches)."""
     rng = random.Random(seed)
     high = vocab_size - 1
 
     def tokens(n: int) -> list[int]:
+        if pattern_len:
+            pattern = [rng.randint(_TOKEN_LOW, high) for _ in range(pattern_len)]
+            return [pattern[i % pattern_len] for i in range(n)]
         return [rng.randint(_TOKEN_LOW, high) for _ in range(n)]
 
     prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
@@ -112,6 +118,8 @@ def _metrics_summary(metrics: list[Any]) -> dict[str, Any]:
         "vllm:prefix_cache_hits": "prefix_cache_hits",
         "vllm:prompt_tokens": "prompt_tokens",
         "vllm:generation_tokens": "generation_tokens",
+        "vllm:spec_decode_num_draft_tokens": "spec_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens",
     }
     wanted_hist = {
         "vllm:kv_block_idle_before_evict_seconds": "block_reuses",
@@ -140,6 +148,7 @@ def _child_main(args: argparse.Namespace) -> int:
         prefix_len=args.prefix_len,
         suffix_len=args.suffix_len,
         waves=args.waves,
+        pattern_len=args.pattern_len,
     )
     engine_kwargs: dict[str, Any] = {
         "model": str(args.model),
@@ -428,6 +437,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=int, default=640)
     p.add_argument("--suffix-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument(
+        "--pattern-len",
+        type=int,
+        default=0,
+        help="prompts repeat a random pattern of this many tokens (0: random tokens)",
+    )
     p.add_argument(
         "--cpu-bind",
         default=None,

@@ -21,26 +21,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "falcon_h1", "zamba2")
+FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "falcon_h1", "zamba2", "qwen3_next_8")
 """Supported families: ``qwen3_next`` (3 Gated-DeltaNet : 1 attention, one MoE layer),
 ``nemotron_h`` (Mamba2 : attention hybrid), ``qwen3_5`` (Qwen3.5 text model: 3
 Gated-DeltaNet : 1 attention, dense), ``falcon_h1`` (Mamba2 and attention side by side in
-every layer) and ``zamba2`` (Mamba2 layers, two of them with a shared attention block)."""
+every layer), ``zamba2`` (Mamba2 layers, two of them with a shared attention block) and
+``qwen3_next_8`` (``qwen3_next``'s pattern twice, 8 layers: each of two pipeline stages
+holds GDN and attention layers)."""
 
 VOCAB_SIZE = 512
 HEAD_DIM = 64
 
 
-def _qwen3_next_config() -> Any:
+def _qwen3_next_config(repeats: int = 1) -> Any:
     from transformers import Qwen3NextConfig
 
-    num_layers = 4
+    num_layers = 4 * repeats
     return Qwen3NextConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=num_layers,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * repeats,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=HEAD_DIM,
@@ -49,8 +51,9 @@ def _qwen3_next_config() -> Any:
         linear_value_head_dim=HEAD_DIM,
         linear_num_key_heads=2,
         linear_num_value_heads=2,
-        # vLLM's Qwen3-Next needs at least one MoE layer: the last one; the rest are dense.
-        mlp_only_layers=list(range(num_layers - 1)),
+        # vLLM's Qwen3-Next needs at least one MoE layer (on every pipeline stage): the
+        # last of every 4; the rest are dense.
+        mlp_only_layers=[i for i in range(num_layers) if i % 4 != 3],
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
@@ -262,6 +265,8 @@ def make_context_sensitive(model: Any, family: str | None = None) -> None:
 
 _CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next_config,
+    # Two pipeline stages of 4 layers each hold GDN and attention layers.
+    "qwen3_next_8": lambda: _qwen3_next_config(repeats=2),
     "nemotron_h": _nemotron_h_config,
     "qwen3_5": _qwen3_5_config,
     "falcon_h1": _falcon_h1_config,

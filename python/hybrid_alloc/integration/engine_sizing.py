@@ -87,11 +87,7 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
         return "KV connectors address blocks by IDs unique across groups"
     if vllm_config.attention_config.hisparse_config is not None:
         return "HiSparse host pools"
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding (draft groups) is not handled yet"
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        return "pipeline parallelism (workers hold different layers)"
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         return "context parallelism"
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
@@ -123,9 +119,10 @@ def spec_unsupported_reason(
 ) -> str | None:
     """Why per-group pools cannot serve the layers the workers reported (None if they
     can)."""
-    if not kv_cache_specs or any(specs != kv_cache_specs[0] for specs in kv_cache_specs):
-        return "workers hold different layers (pipeline parallelism)"
-    specs = list(kv_cache_specs[0].values())
+    merged = merge_worker_specs(kv_cache_specs)
+    if merged is None:
+        return "workers report different specs for one layer"
+    specs = list(merged.values())
     mamba = [s for s in specs if isinstance(s, MambaSpec)]
     other = [s for s in specs if not isinstance(s, MambaSpec)]
     if not mamba or not other:
@@ -159,15 +156,79 @@ def _pages_unpadded(kv_cache_specs: Sequence[dict[str, KVCacheSpec]]) -> bool:
     return bool(mamba) and len(pages) > 1 and all(s.page_size_padded is None for s in mamba)
 
 
-def build_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+def merge_worker_specs(
+    kv_cache_specs: Sequence[dict[str, KVCacheSpec]],
+) -> dict[str, KVCacheSpec] | None:
+    """Every worker's layers in one dict, in the order the workers report them
+    (tensor-parallel workers report the same layers, pipeline stages each their own);
+    None if two workers report one layer with different specs, or none reports any."""
+    merged: dict[str, KVCacheSpec] = {}
+    for specs in kv_cache_specs:
+        for name, spec in specs.items():
+            if merged.setdefault(name, spec) != spec:
+                return None
+    return merged or None
+
+
+def build_groups(
+    kv_cache_spec: dict[str, KVCacheSpec], vllm_config: Any = None
+) -> list[KVCacheGroupSpec]:
     """One group per distinct spec, in layer order. Mamba pages lose any padding: each
-    group has its own pool and region, so no page needs to match another group's."""
+    group has its own pool and region, so no page needs to match another group's. Draft
+    (EAGLE / MTP) attention layers with the target attention's spec join its group;
+    others get a group of their own. With ``vllm_config`` the draft groups are flagged
+    (:func:`flag_draft_groups`)."""
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in kv_cache_spec.items():
         if isinstance(spec, MambaSpec) and spec.page_size_padded is not None:
             spec = replace(spec, page_size_padded=None)
         by_spec.setdefault(spec, []).append(name)
-    return [KVCacheGroupSpec(names, spec) for spec, names in by_spec.items()]
+    groups = [KVCacheGroupSpec(names, spec) for spec, names in by_spec.items()]
+    if vllm_config is not None:
+        flag_draft_groups(vllm_config, kv_cache_spec, groups)
+    return groups
+
+
+_TRAILING_DRAFT_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+"""Model types whose drafter (besides method 'mtp') appends its layers after the target's
+without marking their specs."""
+
+
+def _drafts_trail(vllm_config: Any) -> bool:
+    """Whether the drafter's layers are the last ones registered and carry no marker:
+    MTP drafters reuse the target's decoder layer, so their specs equal the target's."""
+    spec_config = vllm_config.speculative_config
+    if spec_config.method == "mtp":
+        return True
+    model_config = getattr(vllm_config, "model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    return getattr(hf_config, "model_type", None) in _TRAILING_DRAFT_MODEL_TYPES
+
+
+def flag_draft_groups(
+    vllm_config: Any, kv_cache_spec: dict[str, KVCacheSpec], groups: list[KVCacheGroupSpec]
+) -> None:
+    """Set ``is_eagle_group`` on the groups holding a drafter's KV layers, where the
+    scheduler must drop the last cached block of a prefix hit (EAGLE-style drafters: the
+    draft KV of a position depends on the token after it).
+
+    A layer is a draft layer if its spec says so (vLLM 0.33's ``is_draft``, or
+    ``non_causal_multi_token_decode``); failing that, for MTP-style drafters, the last
+    layer registered is one. Nothing is flagged without such a drafter; vLLM's coordinator
+    then treats every group as a draft group when the drafter is EAGLE-style."""
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    if spec_config is None or not spec_config.use_eagle_block_drop():
+        return
+    marked = {
+        name
+        for name, spec in kv_cache_spec.items()
+        if getattr(spec, "is_draft", False) or getattr(spec, "non_causal_multi_token_decode", False)
+    }
+    if not marked and kv_cache_spec and _drafts_trail(vllm_config):
+        marked = {next(reversed(kv_cache_spec))}
+    for group in groups:
+        if not marked.isdisjoint(group.layer_names):
+            group.is_eagle_group = True
 
 
 def _page_stride(spec: KVCacheSpec) -> int:
@@ -176,9 +237,11 @@ def _page_stride(spec: KVCacheSpec) -> int:
     return round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
 
 
-def group_needs(vllm_config: Any, gid: int, group: KVCacheGroupSpec) -> sizing.GroupNeeds:
+def group_needs(
+    vllm_config: Any, gid: int, group: KVCacheGroupSpec, num_layers: int | None = None
+) -> sizing.GroupNeeds:
     """The sizing model's view of one group, from vLLM's spec and vLLM's own per-request
-    figure."""
+    figure (``num_layers``: the layers one worker holds, default all of the group's)."""
     spec = group.kv_cache_spec
     per_request = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
     factor = 1
@@ -195,29 +258,107 @@ def group_needs(vllm_config: Any, gid: int, group: KVCacheGroupSpec) -> sizing.G
         name=f"group {gid} ({type(spec).__name__} x{len(names)} layers: {shown})",
         kind=kind,
         page_bytes=_page_stride(spec),
-        num_layers=len(names),
+        num_layers=len(names) if num_layers is None else num_layers,
         blocks_per_request=per_request,
         state_factor=factor,
     )
 
 
+def project_groups(
+    groups: Sequence[KVCacheGroupSpec], worker_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec]:
+    """Every group, holding only the layers one worker holds (pipeline stages hold some
+    of each group; tensor-parallel workers all of them)."""
+    return [
+        KVCacheGroupSpec(
+            [name for name in g.layer_names if name in worker_spec],
+            g.kv_cache_spec,
+            is_eagle_group=g.is_eagle_group,
+        )
+        for g in groups
+    ]
+
+
+def _stage_needs(
+    vllm_config: Any,
+    groups: Sequence[KVCacheGroupSpec],
+    kv_cache_specs: Sequence[dict[str, KVCacheSpec]],
+) -> list[list[sizing.GroupNeeds | None]]:
+    """Each worker's view of every group (None where it holds none of its layers)."""
+    stages = []
+    for worker_spec in kv_cache_specs:
+        row: list[sizing.GroupNeeds | None] = []
+        for gid, (group, own) in enumerate(
+            zip(groups, project_groups(groups, worker_spec), strict=True)
+        ):
+            n = len(own.layer_names)
+            row.append(group_needs(vllm_config, gid, group, n) if n else None)
+        stages.append(row)
+    return stages
+
+
 def size_groups(
-    vllm_config: Any, groups: list[KVCacheGroupSpec], available_memory: int
+    vllm_config: Any,
+    groups: list[KVCacheGroupSpec],
+    available_memory: int | Sequence[int],
+    kv_cache_specs: Sequence[dict[str, KVCacheSpec]] | None = None,
 ) -> sizing.Sizing:
-    """Every group's pool, as :func:`hybrid_alloc.sizing.size_pools` sizes it.
+    """Every group's pool, as :func:`hybrid_alloc.sizing.size_stages` sizes it for the
+    workers of ``kv_cache_specs`` (each with its own memory; default: one worker holding
+    every layer of ``groups``).
+
+    Over-subscription: where the fixed-size (Mamba/GDN) pools for ``max_num_seqs``
+    requests leave no room for one ``max_model_len`` request, the pools are sized for as
+    many requests as fit, and one warning says so: the scheduler then runs at most that
+    many requests at once (a request waits until a state block is free), as stock vLLM's
+    shared pool does when it runs out of blocks.
 
     Raises:
-        ValueError: the memory does not hold the fixed pools or one ``max_model_len``
-            request (:class:`hybrid_alloc.sizing.SizingError`).
+        ValueError: not even one request fits (:class:`hybrid_alloc.sizing.SizingError`:
+            what one request lacks).
     """
-    return sizing.size_pools(
-        [group_needs(vllm_config, gid, group) for gid, group in enumerate(groups)],
-        available_bytes=available_memory,
-        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-        max_model_len=vllm_config.model_config.max_model_len,
-        num_blocks_override=vllm_config.cache_config.num_gpu_blocks_override,
-        region_alignment=REGION_ALIGNMENT,
+    if kv_cache_specs is None:
+        kv_cache_specs = [{name: g.kv_cache_spec for g in groups for name in g.layer_names}]
+    memory = (
+        [available_memory] * len(kv_cache_specs)
+        if isinstance(available_memory, int)
+        else list(available_memory)
     )
+    stages = _stage_needs(vllm_config, groups, kv_cache_specs)
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    common = {
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "num_blocks_override": vllm_config.cache_config.num_gpu_blocks_override,
+        "region_alignment": REGION_ALIGNMENT,
+    }
+    fitting = sizing.largest_fitting_num_seqs(stages, memory, max_num_seqs=max_num_seqs, **common)
+    if 0 < fitting < max_num_seqs:
+        full = sizing.size_stages(stages, memory, max_num_seqs=fitting, **common)
+        fixed = [p for p in full.pools if not p.grows]
+        logger.warning(
+            "hybrid_alloc: per-group KV-cache pools: the fixed-size pools for "
+            "max_num_seqs=%d requests do not fit in %s bytes of KV-cache memory next to "
+            "one %d-token request; sized for %d requests (%s): at most %d requests run at "
+            "once",
+            max_num_seqs,
+            f"{min(memory):,}",
+            common["max_model_len"],
+            fitting,
+            "; ".join(f"{p.needs.name}: {p.num_blocks:,} blocks" for p in fixed),
+            fitting,
+        )
+        return full
+    if fitting == 0:
+        try:
+            sizing.size_stages(stages, memory, max_num_seqs=1, **common)
+        except sizing.SizingError as exc:
+            raise sizing.SizingError(
+                f"per-group KV-cache pools: not even one request fits (max_num_seqs="
+                f"{max_num_seqs}): {exc}",
+                exc.shortfall_bytes,
+                exc.fixed_pools,
+            ) from exc
+    return sizing.size_stages(stages, memory, max_num_seqs=max_num_seqs, **common)
 
 
 def build_config(
@@ -231,6 +372,9 @@ def build_config(
     for group, pool in zip(groups, pools.pools, strict=True):
         spec = group.kv_cache_spec
         num_layers = len(group.layer_names)
+        if num_layers == 0:  # a pipeline stage without this group's layers
+            regions.append((offset, 0, 0))
+            continue
         stride = _page_stride(spec)
         fixed_block_stride = stride if stride != spec.page_size_bytes else None
         strides = compute_layout_strides(
@@ -247,6 +391,8 @@ def build_config(
         offset += 1 + sum((n - 1) * stride for n, stride in zip(shape, strides, strict=True))
     total = round_up(offset, REGION_ALIGNMENT)
     for group, (start, layer_stride, block_stride) in zip(groups, regions, strict=True):
+        if not group.layer_names:
+            continue
         tensors.append(
             KVCacheTensor(
                 size=total,
@@ -319,7 +465,9 @@ def get_global_kv_cache_groups(
     engine. vLLM's own grouping would unify page sizes, which the unpadded pages our
     workers report may not allow."""
     if unsupported_reason(vllm_config, kv_cache_specs) is None:
-        return build_groups(dict(kv_cache_specs[0]))
+        merged = merge_worker_specs(kv_cache_specs)
+        assert merged is not None
+        return build_groups(merged, vllm_config)
     return _sizing_module().get_global_kv_cache_groups(vllm_config, kv_cache_specs)  # type: ignore[no-any-return]
 
 
@@ -330,11 +478,15 @@ def get_kv_cache_configs(
     global_kv_cache_groups: list[KVCacheGroupSpec] | None = None,
 ) -> list[KVCacheConfig]:
     """vLLM's ``get_kv_cache_configs`` with per-group pools for hybrid models (0.33 also
-    passes the groups of :func:`get_global_kv_cache_groups`)."""
+    passes the groups of :func:`get_global_kv_cache_groups`). One sizing for all workers:
+    the scheduler's pools hand the same block IDs to every worker; each worker's config
+    holds every group but lays out only its own layers."""
     reason = unsupported_reason(vllm_config, kv_cache_specs)
     groups: list[KVCacheGroupSpec] = []
     if reason is None:
-        groups = build_groups(dict(kv_cache_specs[0]))
+        merged = merge_worker_specs(kv_cache_specs)
+        assert merged is not None
+        groups = build_groups(merged, vllm_config)
         if _partial_hits_would_be_on(vllm_config, groups):
             reason = "an 'align' Mamba block larger than the hash block (sub-block hits)"
     if reason is not None:
@@ -349,10 +501,12 @@ def get_kv_cache_configs(
         return _stock_get_kv_cache_configs(
             vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
         )
-    pools = size_groups(vllm_config, groups, min(available_memory))
+    pools = size_groups(vllm_config, groups, available_memory, kv_cache_specs)
     logger.info("hybrid_alloc: per-group KV-cache pools: %s", describe(groups, pools))
-    # Tensor-parallel workers hold the same layers: one sizing serves all of them.
-    return [build_config(vllm_config, groups, pools) for _ in kv_cache_specs]
+    return [
+        build_config(vllm_config, project_groups(groups, worker_spec), pools)
+        for worker_spec in kv_cache_specs
+    ]
 
 
 def get_max_concurrency_for_kv_cache_config(
