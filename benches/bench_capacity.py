@@ -74,6 +74,50 @@ def _plans(
     return result
 
 
+SPEC_TOKENS = (1, 2, 3)
+
+
+def _speculation(names: Sequence[str], seqs: int) -> list[str]:
+    """Stock vs ours vs the physical limit with 1-3 speculative tokens (mode none)."""
+    header = (
+        "model",
+        "spec",
+        "stock tokens (vLLM)",
+        f"stock @{seqs} seqs",
+        "ours",
+        "physical",
+        "ours / stock @seqs",
+        "ours / physical",
+    )
+    rows = []
+    for name in names:
+        model = load_model(name)
+        max_len = min(MAX_LEN, model.max_position_embeddings)
+        for spec in SPEC_TOKENS:
+            p = plan(
+                model,
+                DETAIL_GIB * GiB,
+                max_num_seqs=seqs,
+                max_model_len=max_len,
+                num_spec_tokens=spec,
+            )
+            rows.append(
+                (
+                    p.model.name,
+                    str(spec),
+                    f"{p.stock.tokens:,}",
+                    f"{p.stock.tokens_at_max_num_seqs:,}",
+                    _tokens(p),
+                    f"{p.physical.tokens:,}",
+                    _ratio(p.ours.tokens, p.stock.tokens_at_max_num_seqs)
+                    if p.ours.feasible
+                    else "n/a",
+                    _ratio(p.ours.tokens, p.physical.tokens) if p.ours.feasible else "n/a",
+                )
+            )
+    return _table(header, rows)
+
+
 def _tokens(p: Plan) -> str:
     return f"{p.ours.tokens:,}" if p.ours.feasible else "does not fit"
 
@@ -430,7 +474,8 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         f"`hybrid_alloc.sizing` builds); Mamba pools hold {seqs} x (1 + spec) + 1 blocks; the "
         "rest goes to attention; only growing groups count; null blocks excluded. *does not "
         f"fit*: the memory does not hold the Mamba state of {seqs} requests plus one "
-        "max_model_len request in attention (the engine refuses to start with it).",
+        "max_model_len request in attention (the engine then sizes the Mamba pools for as many "
+        "requests as fit and says so in one warning; it stops only if not even one fits).",
         f"* **physical**: (KV bytes - Mamba state of {seqs} requests) / attention bytes per token.",
         "",
         "## Token capacity (mamba_cache_mode none)",
@@ -479,6 +524,17 @@ def build_report(seqs: int) -> tuple[str, dict[tuple[str, int], Plan], list[str]
         "pads heavily, as for Zamba2).",
         "",
         *_sweep(names),
+        "",
+        f"## Speculative decoding ({DETAIL_GIB} GiB, mamba_cache_mode none)",
+        "",
+        "With `num_speculative_tokens` = spec a running request holds 1 + spec Mamba states "
+        "(one scratch state per draft token; Mamba2 convolution states also grow by spec "
+        "rows), as vLLM's `MambaSpec` reserves; ours sizes the Mamba pools for max_num_seqs x "
+        "(1 + spec) + 1 blocks (checked against the engine sizing in "
+        "`tests/planner/test_engine_cross_check.py`). Draft layers of an MTP/EAGLE drafter "
+        "are not counted here (the planner reads the target's config only).",
+        "",
+        *_speculation(names, seqs),
         "",
         "## Prefix caching (mamba_cache_mode align)",
         "",
