@@ -137,6 +137,10 @@ def test_layouts_are_the_planned_ones(name: str, mode: str) -> None:
     assert ours.attention_block_size == 16
     planned = sorted((r.num_layers, r.num_blocks) for r in p.ours.rows)
     assert sorted((pool.layers, pool.num_blocks) for pool in ours.pools) == planned
+    # The bytes behind the pools (what the KV memory held series counts).
+    (shared,) = stock.pools
+    assert memory - shared.block_bytes < shared.num_blocks * shared.block_bytes <= memory
+    assert sum(pool.num_blocks * pool.block_bytes for pool in ours.pools) <= memory
 
 
 def test_refusals_are_reported_not_raised() -> None:

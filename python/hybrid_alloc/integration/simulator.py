@@ -568,20 +568,22 @@ class SimEngine:
         layouts = getattr(self.kv_cache_config, "pool_layouts", None)
         out = []
         if layouts is None:
-            # One shared pool: a block ID takes one page in every backing tensor.
+            # One shared pool: every group's block of one ID sits in the same bytes (vLLM
+            # unifies page sizes and group sizes), so a block ID costs one page in each
+            # layer of the largest group.
             kinds = "+".join(
                 sorted({type(g.kv_cache_spec).__name__.removesuffix("Spec") for g in groups})
             )
-            num_blocks = self.kv_cache_config.num_blocks
-            total = sum(t.size for t in self.kv_cache_config.kv_cache_tensors)
             out.append(
                 PoolInfo(
                     label="shared",
                     kind=kinds,
-                    num_blocks=num_blocks,
+                    num_blocks=self.kv_cache_config.num_blocks,
                     block_size=min(g.kv_cache_spec.block_size for g in groups),
                     layers=sum(len(g.layer_names) for g in groups),
-                    block_bytes=total // num_blocks if num_blocks else 0,
+                    block_bytes=max(
+                        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups
+                    ),
                 )
             )
             return out
