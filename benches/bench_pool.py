@@ -1063,6 +1063,151 @@ def bench_manager(cfg: Config, rep: Report) -> None:
     )
 
 
+# ------------------------------------------------ native build against an earlier one
+@dataclass(frozen=True)
+class NativeRow:
+    op: str
+    n: int
+    before_ns: float
+    after_ns: float
+    speedup: float
+
+
+def load_native(path: Path, name: str) -> Any:
+    """Load a build of the extension from ``path`` as module ``name`` (an earlier build can
+    then run in the same process as the installed one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}._native", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load an extension from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_native_builds(cfg: Config, before_so: Path) -> list[NativeRow]:
+    """The native pool of an earlier build against the installed one, interleaved in one
+    process on the same operation traces (the native classes only: the Python layer of the
+    earlier build is not loaded). Each sample is the best of 3 timed calls; values are
+    medians over repeats, `speedup` the median of per-repeat before/after time quotients."""
+    import hybrid_alloc._native as after_native
+
+    builds = {"before": load_native(before_so, "hybrid_alloc_before"), "after": after_native}
+    num_blocks = min(cfg.num_blocks, 200_000)
+    pools = {k: m.NativeBlockPool(num_blocks, True, HASH_BLOCK_SIZE) for k, m in builds.items()}
+    hashes = make_hashes("native", 256)
+
+    def cached(p: Any, n: int) -> list[Any]:
+        blocks = p.get_new_blocks(n)
+        p._cache_full_blocks(blocks, hashes, 0, n, HASH_BLOCK_SIZE, 0)
+        return blocks
+
+    def drop(p: Any, blocks: list[Any]) -> None:
+        p.free_blocks(reversed(blocks))
+        p.evict_blocks([b.block_id for b in blocks])
+
+    def get_new_blocks(p: Any, n: int) -> int:
+        t0 = perf_ns()
+        blocks = p.get_new_blocks(n)
+        t1 = perf_ns()
+        p.free_blocks(blocks)
+        return t1 - t0
+
+    def free_uncached(p: Any, n: int) -> int:
+        blocks = p.get_new_blocks(n)
+        t0 = perf_ns()
+        p.free_blocks(reversed(blocks))
+        return perf_ns() - t0
+
+    def free_cached(p: Any, n: int) -> int:
+        blocks = cached(p, n)
+        t0 = perf_ns()
+        p.free_blocks(reversed(blocks))
+        t1 = perf_ns()
+        p.evict_blocks([b.block_id for b in blocks])
+        return t1 - t0
+
+    def touch(p: Any, n: int) -> int:
+        blocks = cached(p, n)
+        p.free_blocks(reversed(blocks))
+        t0 = perf_ns()
+        p.touch(blocks)
+        t1 = perf_ns()
+        drop(p, blocks)
+        return t1 - t0
+
+    def cache_full_blocks(p: Any, n: int) -> int:
+        blocks = p.get_new_blocks(n)
+        t0 = perf_ns()
+        p._cache_full_blocks(blocks, hashes, 0, n, HASH_BLOCK_SIZE, 0)
+        t1 = perf_ns()
+        drop(p, blocks)
+        return t1 - t0
+
+    def evict_blocks(p: Any, n: int) -> int:
+        blocks = cached(p, n)
+        ids = [b.block_id for b in blocks]
+        t0 = perf_ns()
+        p.evict_blocks(ids)
+        t1 = perf_ns()
+        p.free_blocks(reversed(blocks))
+        return t1 - t0
+
+    def get_cached_prefix(p: Any, n: int) -> int:
+        blocks = cached(p, n)
+        t0 = perf_ns()
+        p.get_cached_prefix(hashes, [0], n)
+        t1 = perf_ns()
+        drop(p, blocks)
+        return t1 - t0
+
+    def get_cached_block(p: Any, n: int) -> int:
+        blocks = cached(p, n)
+        group = [0]
+        t0 = perf_ns()
+        for h in hashes[:n]:
+            p.get_cached_block(h, group)
+        t1 = perf_ns()
+        drop(p, blocks)
+        return t1 - t0
+
+    cases: list[tuple[str, Callable[[Any, int], int]]] = [
+        ("get_new_blocks(n)", get_new_blocks),
+        ("free_blocks(reversed(<n uncached>))", free_uncached),
+        ("free_blocks(reversed(<n cached>))", free_cached),
+        ("touch(<n cached free blocks>)", touch),
+        ("_cache_full_blocks(<n blocks>)", cache_full_blocks),
+        ("evict_blocks(<n cached IDs>)", evict_blocks),
+        ("get_cached_prefix(<n hits>)", get_cached_prefix),
+        ("get_cached_block(hash, [0]) x n, hits", get_cached_block),
+    ]
+    repeats = 9 if cfg.quick else 41
+    out: list[NativeRow] = []
+    with no_gc():
+        for name, fn in cases:
+            for n in (64, 256):
+                times: dict[str, list[float]] = {"before": [], "after": []}
+                quotients: list[float] = []
+                for r in range(repeats + 1):  # r == 0: warm-up
+                    order = ("before", "after") if r % 2 else ("after", "before")
+                    t = {side: min(fn(pools[side], n) for _ in range(3)) for side in order}
+                    if r:
+                        times["before"].append(t["before"] / n)
+                        times["after"].append(t["after"] / n)
+                        quotients.append(t["before"] / t["after"])
+                out.append(
+                    NativeRow(
+                        name,
+                        n,
+                        median(times["before"]),
+                        median(times["after"]),
+                        median(quotients),
+                    )
+                )
+    return out
+
+
 # -------------------------------------------------------------------- reporting
 BULK_OPS = ("get_new_blocks(n=", "free_blocks(reversed", "touch(", "cache_full_blocks(")
 BULK_OPS += ("evict_blocks(", "prefix lookup, 256 hits: stock loop")
@@ -1141,7 +1286,89 @@ def machine() -> list[str]:
     ]
 
 
-def write_results(cfg: Config, rep: Report, elapsed: float, path: Path) -> None:
+@dataclass
+class Comparison:
+    """Earlier runs to compare this one with: ``before`` (RESULTS files written by this script
+    on an earlier build) and ``after`` (other runs of the current build, pooled with this
+    one), under ``title``; ``native``: an earlier build's native pool timed against this
+    one in the same process (``--native-before``)."""
+
+    title: str
+    before: tuple[Path, ...]
+    after: tuple[Path, ...]
+    native_before: Path | None = None
+    native: list[NativeRow] = field(default_factory=list)
+
+
+def read_ratios(path: Path) -> dict[tuple[str, str], float]:
+    """The `stock/ours` column of a RESULTS file written by this script, by (section, op)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 7 or not cells[5].endswith("x"):
+            continue
+        try:
+            out[(cells[0], cells[1])] = float(cells[5][:-1].replace(",", ""))
+        except ValueError:
+            continue
+    return out
+
+
+def comparison_section(cmp: Comparison, rows: Sequence[Row]) -> list[str]:
+    """A table of each row's stock/ours ratio before and after, each the median over the
+    runs that have the row: both ratios come from interleaved same-process runs against
+    the same stock pool, so their quotient compares the two builds of ours."""
+    before = [read_ratios(p) for p in cmp.before]
+    after = [read_ratios(p) for p in cmp.after]
+    lines = [
+        f"## {cmp.title}",
+        "",
+        f"`stock/ours` of each row, before: median over {len(before)} run(s) of the earlier "
+        f"build; after: median over {len(after) + 1} run(s) of this build (this run "
+        "included). Sections 2 and 4 ran in every run, 1, 3 and 5 only in full runs. "
+        "`after/before` > 1: the ratio improved. On a shared machine single ratios move by "
+        "10-20% between runs; read the medians.",
+        "",
+        "| # | operation | runs before / after | stock/ours before | stock/ours after "
+        "| after/before |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.ratio is None:
+            continue
+        key = (r.section, r.op)
+        b = [d[key] for d in before if key in d]
+        a = [r.ratio, *(d[key] for d in after if key in d)]
+        if not b:
+            continue
+        mb, ma = median(b), median(a)
+        lines.append(
+            f"| {r.section} | {r.op} | {len(b)} / {len(a)} | {fmt_ratio(mb)} | {fmt_ratio(ma)} "
+            f"| {ma / mb:.2f} |"
+        )
+    if cmp.native:
+        lines += [
+            "",
+            f"The native pool of the earlier build (`{cmp.native_before}`) against this one, "
+            "interleaved in one process on the same traces (native classes only; "
+            "`_cache_full_blocks` is the native half of `cache_full_blocks`). "
+            "`before/after` is the median of per-repeat time quotients (> 1: this build is "
+            "faster); this is the comparison least affected by other jobs on the machine.",
+            "",
+            "| operation | n | before ns/block | after ns/block | before/after |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for nr in cmp.native:
+            lines.append(
+                f"| {nr.op} | {nr.n} | {fmt(nr.before_ns)} | {fmt(nr.after_ns)} "
+                f"| {nr.speedup:.2f} |"
+            )
+    return [*lines, ""]
+
+
+def write_results(
+    cfg: Config, rep: Report, elapsed: float, path: Path, cmp: Comparison | None = None
+) -> None:
     argv = " ".join(["python", "benches/bench_pool.py", *sys.argv[1:]])
     lines = [
         "# hybrid_alloc BlockPool vs vLLM's stock BlockPool",
@@ -1181,6 +1408,8 @@ def write_results(cfg: Config, rep: Report, elapsed: float, path: Path) -> None:
             "hashes, reference counts and free counts compared along the traces)."
         )
     lines.append("")
+    if cmp is not None:
+        lines += comparison_section(cmp, rep.rows)
     lines += capacity_section(path.parent)
     path.write_text("\n".join(lines))
 
@@ -1222,7 +1451,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="12345",
         help="sections to run, e.g. 35 (default all; 2 and 4 run together, after 1)",
     )
+    ap.add_argument(
+        "--before",
+        type=Path,
+        nargs="+",
+        default=(),
+        help="RESULTS files of an earlier build: adds a before/after section",
+    )
+    ap.add_argument(
+        "--after",
+        type=Path,
+        nargs="+",
+        default=(),
+        help="RESULTS files of other runs of this build, pooled with this run in that section",
+    )
+    ap.add_argument(
+        "--native-before",
+        type=Path,
+        default=None,
+        help="an earlier build's _native*.so, timed against this one in the same process",
+    )
+    ap.add_argument(
+        "--compare-title",
+        default="Before/after the core refactor",
+        help="heading of the before/after section",
+    )
     args = ap.parse_args(argv)
+    cmp = (
+        Comparison(args.compare_title, tuple(args.before), tuple(args.after), args.native_before)
+        if args.before or args.native_before
+        else None
+    )
     cfg = Config.make(args.quick, args.blocks)
     rep = Report(load_start=load_average())
     t_start = time.perf_counter()
@@ -1259,6 +1518,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "5" in args.only:
         section("5. KVCacheManager loop")
         bench_manager(cfg, rep)
+    if cmp is not None and cmp.native_before is not None:
+        section("native pool: earlier build against this one")
+        cmp.native = bench_native_builds(cfg, cmp.native_before)
+        release()
 
     rows = sorted(rep.rows, key=lambda r: r.section)
     rep.rows = rows
@@ -1272,7 +1535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nDIFFERENCES between stock and ours:")
         for m in rep.mismatches:
             print(f"  - {m}")
-    write_results(cfg, rep, elapsed, args.out)
+    write_results(cfg, rep, elapsed, args.out, cmp)
     print(f"\nwrote {args.out} ({elapsed:.0f} s)")
     return 0
 

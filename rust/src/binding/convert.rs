@@ -49,6 +49,7 @@ pub(crate) enum Items<'py> {
 }
 
 /// Iterate `obj`, a list or any iterable (`TypeError` if it is neither).
+#[inline]
 pub(crate) fn items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Items<'py>> {
     match obj.cast::<PyList>() {
         Ok(list) => Ok(Items::List(list.iter())),
