@@ -9,9 +9,11 @@ no GPU) and writes ``benches/SERVING.md`` and ``benches/serving.png``.
     python benches/bench_serving.py [--out-dir benches] [--configs a,b] [--memories 16,40,80]
         [--modes none,align] [--traces chat,long,prefix] [--json FILE]
 
-Where per-group sizing refuses a cell at ``max_num_seqs=256`` (its fixed Mamba pools for
-256 requests do not fit), the cell is run again, both layouts, at the largest
-``max_num_seqs`` per-group pools accept. Trace sizes are chosen so that the whole run takes
+Where the Mamba state of 256 requests takes more than half of the KV memory in per-group
+pools (per-group sizing then over-subscribes its fixed pools, or refuses), the cell is
+also run, both layouts, at the largest ``max_num_seqs`` of :data:`FALLBACK_SEQS` whose
+fixed pools take at most half: what the capacity planner's "lower --max-num-seqs" advice
+leads to. Trace sizes are chosen so that the whole run takes
 well under an hour on two CPU cores; see :data:`TRACES`.
 """
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybrid_alloc.planner import load_model, shipped_configs
+from hybrid_alloc.planner import load_model, plan, shipped_configs
 from hybrid_alloc.traces import Trace, make_trace
 
 GiB = 1 << 30
@@ -97,15 +99,27 @@ def _settings(memory_gib: int, mode: str, seqs: int, max_len: int) -> Any:
     )
 
 
-def _fitting_seqs(config: str, memory_gib: int, mode: str, max_len: int) -> int | None:
-    """The largest of :data:`FALLBACK_SEQS` per-group pools accept (None: none)."""
-    from hybrid_alloc.integration.simulator import simulate
+def _fixed_bytes(config: str, memory_gib: int, mode: str, seqs: int, max_len: int) -> int:
+    """Bytes per-group sizing sets aside for the fixed-size (Mamba) pools, per the planner."""
+    p = plan(
+        load_model(config),
+        memory_gib * GiB,
+        max_num_seqs=seqs,
+        mamba_cache_mode=mode,
+        max_model_len=max_len,
+    )
+    return sum(r.bytes for r in p.ours.rows if not r.grows)
 
+
+def _tuned_seqs(config: str, memory_gib: int, mode: str, max_len: int) -> int | None:
+    """Where the Mamba state of 256 requests takes more than half of the KV memory, the
+    largest of :data:`FALLBACK_SEQS` whose fixed pools take at most half (None: the 256
+    cell stands as it is, or nothing fits)."""
+    half = memory_gib * GiB // 2
+    if _fixed_bytes(config, memory_gib, mode, MAX_NUM_SEQS, max_len) <= half:
+        return None
     for seqs in FALLBACK_SEQS:
-        probe = simulate(
-            config, _settings(memory_gib, mode, seqs, max_len), Trace("empty", ()), ["per-group"]
-        )
-        if probe.layouts["per-group"].ok:
+        if _fixed_bytes(config, memory_gib, mode, seqs, max_len) <= half:
             return seqs
     return None
 
@@ -131,15 +145,17 @@ def run_cells(
                     cell.seconds = time.perf_counter() - t0
                     cells.append(cell)
                     _log(cell, log)
-                    if result.layouts["per-group"].ok or not result.layouts["stock"].ok:
-                        continue
-                    seqs = _fitting_seqs(config, memory, mode, max_len)
+                    seqs = _tuned_seqs(config, memory, mode, max_len)
                     if seqs is None:
                         continue
                     t0 = time.perf_counter()
                     again = simulate(config, _settings(memory, mode, seqs, max_len), trace)
                     retry = Cell(config, memory, mode, kind, seqs, again, 0.0)
-                    retry.note = f"per-group refuses {MAX_NUM_SEQS} sequences; both at {seqs}"
+                    retry.note = (
+                        f"{config}, {memory} GiB: the Mamba state of {MAX_NUM_SEQS} requests "
+                        f"takes over half the KV memory in per-group pools; also run with "
+                        f"max_num_seqs {seqs}, both layouts"
+                    )
                     retry.seconds = time.perf_counter() - t0
                     cells.append(retry)
                     _log(retry, log)
@@ -364,6 +380,7 @@ def _headline(cells: Sequence[Cell]) -> list[str]:
         return p.latency_steps.get("mean", 0.0) / base if base else 1.0
 
     lines += _overview(ok, tput, latency)
+    lines += _findings(ok)
     better = sorted(verdicts.get("better", []), key=latency)[:6]
     worse = sorted(verdicts.get("worse", []) + verdicts.get("mixed", []), key=latency)[::-1][:6]
     align = [c for c in ok if c.mode == "align" and c.trace == "prefix"]
@@ -416,10 +433,10 @@ def _headline(cells: Sequence[Cell]) -> list[str]:
     same = verdicts.get("same", [])
     if same:
         lines.append(
-            f"Where per-group pools do not help ({len(same)} cells 'same'): the layouts "
-            "admit the same requests whenever neither pool is the limit, i.e. "
-            f"`max_num_seqs` ({MAX_NUM_SEQS}) or the arrival rate binds first; see the "
-            "tables for which cells."
+            f"Where per-group pools do not help ({len(same)} cells 'same'): the two layouts "
+            "ran nearly the same schedule, so memory was not what limited the batch on "
+            "either (the arrival rate or `max_num_seqs` was); the tables below name the "
+            "cells."
         )
         lines.append("")
     worse = verdicts.get("worse", []) + verdicts.get("mixed", [])
@@ -436,7 +453,7 @@ def _headline(cells: Sequence[Cell]) -> list[str]:
 
 def _overview(ok: Sequence[Cell], tput: Any, latency: Any) -> list[str]:
     """One row per model and memory, one column per trace and mode: per-group / stock
-    throughput and mean latency."""
+    throughput and mean latency (a second figure for the run at fewer sequences)."""
     columns = sorted({(c.mode, c.trace) for c in ok}, key=lambda k: (MODES.index(k[0]), k[1]))
     rows = []
     for config, memory in sorted({(c.config, c.memory_gib) for c in ok}):
@@ -447,24 +464,84 @@ def _overview(ok: Sequence[Cell], tput: Any, latency: Any) -> list[str]:
                 for c in ok
                 if (c.config, c.memory_gib, c.mode, c.trace) == (config, memory, mode, trace)
             ]
-            if not sel:
-                row.append("refused")
-                continue
-            c = sel[-1]
-            text = f"{tput(c):.2f} / {latency(c):.2f}"
-            if c.max_num_seqs != MAX_NUM_SEQS:
-                text += f" (@{c.max_num_seqs})"
-            verdict = _verdict(c)
-            row.append(f"**{text}**" if verdict == "**better**" else text)
+            texts = []
+            for c in sel:
+                text = f"{tput(c):.2f} / {latency(c):.2f}"
+                if c.max_num_seqs != MAX_NUM_SEQS:
+                    text = f"@{c.max_num_seqs}: {text}"
+                texts.append(f"**{text}**" if _verdict(c) == "**better**" else text)
+            row.append("; ".join(texts) or "refused")
         rows.append(row)
     header = ["model", "GiB", *(f"{trace}, '{mode}'" for mode, trace in columns)]
     return [
-        "Per cell: per-group / stock throughput (finished per step) / mean latency; bold "
-        "where per-group pools are better on the whole (see the verdict rule above):",
+        "Per cell: per-group / stock throughput (finished per step) and mean latency "
+        f"(max_num_seqs {MAX_NUM_SEQS}; `@n:` the run at n sequences); bold where "
+        "per-group pools are better on the whole (verdict rule above):",
         "",
         *_table(header, rows),
         "",
     ]
+
+
+def _findings(ok: Sequence[Cell]) -> list[str]:
+    """Counts over the cells, by what drives them (computed, not written by hand)."""
+    lines = ["What the numbers say (counted over the cells that ran on both layouts):", ""]
+
+    def over(c: Cell) -> bool:
+        return (
+            _fixed_bytes(c.config, c.memory_gib, c.mode, c.max_num_seqs, c.result.max_model_len)
+            > c.memory_gib * GiB // 2
+        )
+
+    def layouts(c: Cell) -> tuple[Any, Any]:
+        return c.result.layouts["stock"], c.result.layouts["per-group"]
+
+    flagged = [c for c in ok if over(c)]
+    fitted = [c for c in ok if not over(c)]
+    for label, group in (
+        ("Mamba state of max_num_seqs requests over half the KV memory", flagged),
+        ("at most half", fitted),
+    ):
+        if not group:
+            continue
+        verdicts: dict[str, int] = {}
+        for c in group:
+            key = _verdict(c).strip("*")
+            verdicts[key] = verdicts.get(key, 0) + 1
+        more = sum(1 for c in group if layouts(c)[1].preemptions > layouts(c)[0].preemptions)
+        fewer = sum(1 for c in group if layouts(c)[1].preemptions < layouts(c)[0].preemptions)
+        lines.append(
+            f"- {label} ({len(group)} cells): "
+            + ", ".join(f"{k} {n}" for k, n in sorted(verdicts.items()))
+            + f"; per-group pools preempt more in {more}, fewer in {fewer}."
+        )
+    hits = [c for c in ok if c.mode == "align" and c.trace == "prefix"]
+    if hits:
+        diffs = [(layouts(c)[1].prefix_hit_rate - layouts(c)[0].prefix_hit_rate, c) for c in hits]
+        up = [d for d in diffs if d[0] > 0.005]
+        down = [d for d in diffs if d[0] < -0.005]
+        best = max(diffs, key=lambda d: d[0])
+        lines.append(
+            f"- Prefix trace, 'align' ({len(hits)} cells): per-group pools hit more prefix "
+            f"tokens in {len(up)}, fewer in {len(down)}; largest gain "
+            f"{100 * best[0]:+.1f} points ({best[1].config}, {best[1].memory_gib} GiB, "
+            f"@{best[1].max_num_seqs}: {100 * layouts(best[1])[0].prefix_hit_rate:.1f}% -> "
+            f"{100 * layouts(best[1])[1].prefix_hit_rate:.1f}%)."
+        )
+    cpu = [
+        layouts(c)[1].cpu_us_per_step / layouts(c)[0].cpu_us_per_step
+        for c in ok
+        if layouts(c)[0].cpu_us_per_step
+    ]
+    if cpu:
+        cpu.sort()
+        lines.append(
+            f"- Scheduler CPU per step, per-group / stock (Rust pools against vLLM's Python "
+            f"pool, same process, shared machine): median {cpu[len(cpu) // 2]:.2f}, range "
+            f"{cpu[0]:.2f}-{cpu[-1]:.2f}."
+        )
+    lines.append("")
+    return lines
 
 
 def _pools(r: Any) -> str:
