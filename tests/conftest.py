@@ -27,9 +27,18 @@ settings.load_profile(os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from tests.helpers import MACHINE_STEPS
+    """Print the state-machine steps that changed state, per machine and per rule (a rule
+    that returned early, was refused, or only looked something up is not a step)."""
+    from tests.helpers import RULES_RUN, STEPS
 
-    if MACHINE_STEPS:
-        total = sum(MACHINE_STEPS.values())
-        parts = ", ".join(f"{name}: {n}" for name, n in sorted(MACHINE_STEPS.items()))
-        terminalreporter.write_line(f"state-machine steps: {total} ({parts})")
+    if not STEPS:
+        return
+    per_machine: dict[str, dict[str, int]] = {}
+    for (machine, rule), n in STEPS.items():
+        per_machine.setdefault(machine, {})[rule] = n
+    total = sum(STEPS.values())
+    write = terminalreporter.write_line
+    write(f"state-changing state-machine steps: {total} (of {sum(RULES_RUN.values())} rules run)")
+    for machine, rules in sorted(per_machine.items()):
+        parts = ", ".join(f"{rule} {n}" for rule, n in sorted(rules.items()))
+        write(f"  {machine}: {sum(rules.values())} ({parts})")

@@ -2,30 +2,38 @@
 
 * pool level: a minimal request, comparable snapshots of a stock pool and of ours,
   normalised KV events;
-* manager level: KV-cache layouts and managers built with either pool;
-* state machines: the example budget of the hypothesis profile and step counting;
+* state machines: the example budget of the hypothesis profile, state-changing step
+  counting, a recording metrics collector;
+* manager level: KV-cache layouts and managers built with either pool, holder counts and
+  pool checks read through each pool's own views;
+* per-group managers: layouts, vLLM's genuine stock manager and the per-group one;
 * engine level: real vLLM engines (stock vs ours) started through
   ``tests/support/engine_run.py``, side by side.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import os
 import subprocess
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from hypothesis.stateful import RuleBasedStateMachine
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool as StockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.core.kv_cache_utils import get_group_id, get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -36,7 +44,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from hybrid_alloc import integration
+from hybrid_alloc.integration import coordinator as pg_coordinator
 from hybrid_alloc.integration.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.coordinator import PerGroupPoolsMixin
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
 from tests.support.engine_run import ROOT, engine_run_command
 
 PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
@@ -122,12 +134,85 @@ def normalize_events(events: list[Any]) -> list[Any]:
     return out
 
 
-# Steps executed by each state machine in this run (reported at the end of the session).
-MACHINE_STEPS: Counter[str] = Counter()
+# ------------------------------------------------------------ state-machine steps
+STEPS: Counter[tuple[str, str]] = Counter()
+"""State-changing steps of each (machine, rule) in this run (tests/conftest.py prints
+them at the end of the session)."""
+RULES_RUN: Counter[tuple[str, str]] = Counter()
+"""Every rule run, state-changing or not (for the report's context)."""
+
+_UNSEEN = object()
 
 
-def count_step(machine: str) -> None:
-    MACHINE_STEPS[machine] += 1
+def stepping(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a rule of a :class:`CountingMachine` (under ``@rule``): the machine learns
+    which rule ran, and its :meth:`~CountingMachine.after_rule` hook runs after it."""
+
+    @functools.wraps(fn)
+    def wrapper(self: CountingMachine, *args: Any, **kwargs: Any) -> Any:
+        self._rule = fn.__name__
+        RULES_RUN[(self.MACHINE, fn.__name__)] += 1
+        result = fn(self, *args, **kwargs)
+        self.after_rule()
+        return result
+
+    return wrapper
+
+
+class CountingMachine(RuleBasedStateMachine):
+    """A state machine whose rules count as steps only when they changed its observable
+    state: a rule that returned early, a refused call or a pure lookup is not a step.
+
+    Rules are decorated with :func:`stepping`; the machine's invariant calls
+    :meth:`account` with a value that captures everything the machine can observe (a
+    copy, compared with ``!=`` to the value after the previous rule)."""
+
+    MACHINE: ClassVar[str] = "?"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rule: str | None = None
+        self._last: Any = _UNSEEN
+
+    def after_rule(self) -> None:
+        """Runs after every rule, before the invariants."""
+
+    def account(self, state: Any) -> None:
+        if self._rule is not None and self._last is not _UNSEEN and state != self._last:
+            STEPS[(self.MACHINE, self._rule)] += 1
+        self._rule = None
+        self._last = state
+
+
+class RecordingCollector(KVCacheMetricsCollector):
+    """vLLM's metrics-collector interface; records every callback, in order, with the
+    block's ID, reference count and whether it has a hash at the time of the call (the
+    null block's count is not recorded: the stock pool lets it drift below zero, ours
+    keeps it at 0, and vLLM never reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sample_rate=1.0)
+        self.calls: list[tuple[Any, ...]] = []
+
+    def _record(self, name: str, block: Any) -> None:
+        ref_cnt = None if block.is_null else block.ref_cnt
+        self.calls.append((name, block.block_id, ref_cnt, block.block_hash is not None))
+
+    def on_block_allocated(self, block: Any) -> None:
+        self._record("allocated", block)
+
+    def on_block_accessed(self, block: Any) -> None:
+        self._record("accessed", block)
+
+    def on_block_evicted(self, block: Any) -> None:
+        self._record("evicted", block)
+
+    def reset(self) -> None:
+        self.calls.append(("reset",))
+
+    def take(self) -> list[tuple[Any, ...]]:
+        calls, self.calls = self.calls, []
+        return calls
 
 
 # ------------------------------------------------------------------ manager level
@@ -136,6 +221,7 @@ def count_step(machine: str) -> None:
 BLOCK = 16
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BLOCK, sha256)
+"""Hashes every BLOCK tokens: ``hash_block_size`` of every manager built here."""
 
 
 def attn(window: int | None = None) -> Any:
@@ -143,6 +229,14 @@ def attn(window: int | None = None) -> Any:
     if window is None:
         return FullAttentionSpec(**common)
     return SlidingWindowSpec(sliding_window=window, **common)
+
+
+def wide_attn() -> Any:
+    """Full attention with twice the block size and other heads: a second full-attention
+    spec (its block holds two hash blocks, so ``hash_block_size < block_size``)."""
+    return FullAttentionSpec(
+        block_size=2 * BLOCK, num_kv_heads=4, head_size=128, dtype=torch.bfloat16
+    )
 
 
 def mamba(mode: str) -> Any:
@@ -159,7 +253,22 @@ LAYOUTS: dict[str, list[Any]] = {
     "full+swa": [attn(), attn(window=48)],
     "full+mamba_align": [attn(), mamba("align")],
     "full+swa+mamba_align": [attn(), attn(window=32), mamba("align")],
+    # Two full-attention groups with one spec: vLLM looks them up together (one
+    # get_cached_prefix call with group IDs [0, 1]).
+    "full+full": [attn(), attn()],
+    # Two full-attention specs, block sizes 32 and 16: looked up separately, the first
+    # with hash_block_size (16) < block_size (32), both rounded to 32-token hits.
+    "full32+full": [wide_attn(), attn()],
 }
+
+
+def scheduler_block_size(specs: list[Any]) -> int:
+    """vLLM's scheduling granularity: the LCM of the groups' block sizes."""
+    return math.lcm(*(spec.block_size for spec in specs))
+
+
+def group_specs(specs: list[Any]) -> list[KVCacheGroupSpec]:
+    return [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
 
 
 @contextmanager
@@ -176,18 +285,26 @@ def pool_class(cls: type) -> Iterator[None]:
 
 
 def build_manager(
-    cls: type, layout: str, num_blocks: int, events: bool, eagle: bool = False
+    cls: type,
+    layout: str,
+    num_blocks: int,
+    events: bool,
+    eagle: bool = False,
+    collector: Any = None,
 ) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(LAYOUTS[layout])]
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    specs = LAYOUTS[layout]
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=group_specs(specs)
+    )
     mgr = KVCacheManager(
         config,
         max_model_len=2048,
-        scheduler_block_size=BLOCK,
+        scheduler_block_size=scheduler_block_size(specs),
         hash_block_size=BLOCK,
         enable_caching=True,
         enable_kv_cache_events=events,
         use_eagle=eagle,
+        metrics_collector=collector,
     )
     assert type(mgr.block_pool) is cls
     return mgr
@@ -201,6 +318,184 @@ def new_request(rid: str, tokens: list[int]) -> Request:
         pooling_params=None,
         block_hasher=HASHER,
     )
+
+
+def holders(managers: Any) -> Counter[int]:
+    """How many block lists hold each non-null block ID, across the given single-type
+    managers' ``req_to_blocks`` (a block's reference count must equal this)."""
+    counts: Counter[int] = Counter()
+    for manager in managers:
+        for blocks in manager.req_to_blocks.values():
+            counts.update(b.block_id for b in blocks if not b.is_null)
+    return counts
+
+
+def check_stock_pool(pool: Any, managers: Any) -> None:
+    """vLLM's own pool, read through its internals: free + held + null == total, ref
+    counts == holders, the free queue is the set of unreferenced blocks, and every cached
+    block carries its key (checks that the drivers use vLLM the way vLLM expects)."""
+    refs = {b.block_id: b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt}
+    assert refs == dict(holders(managers))
+    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert len(free) == len(set(free)) == pool.get_num_free_blocks()
+    assert set(free) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    assert pool.get_num_free_blocks() + len(refs) + 1 == pool.num_gpu_blocks
+    for key, val in pool.cached_block_hash_to_block._cache.items():
+        for block in [val] if hasattr(val, "block_id") else val.values():
+            assert block.block_hash == key or key in pool.cached_block_hashes_by_block.get(
+                block.block_id, ()
+            )
+
+
+def check_our_pool(pool: Any, managers: Any, own_groups: set[int] | None = None) -> None:
+    """One of our pools, read through its public views (beyond its own
+    ``check_invariants()``): free + held + null == total, ref counts == holders across
+    every given manager, every handle a manager holds belongs to this pool, the free
+    queue is exactly the unreferenced blocks, cache and blocks agree both ways (every
+    cached ID carries the key, every block with a key is cached under it), and with
+    ``own_groups`` no key of another pool's group."""
+    pool.check_invariants()
+    for manager in managers:
+        for blocks in manager.req_to_blocks.values():
+            for b in blocks:
+                assert b.pool is pool, (pool.label, b.block_id)
+                assert 0 <= b.block_id < pool.num_gpu_blocks
+    refs = pool.ref_counts()
+    assert refs[0] == 0
+    held = {bid: c for bid, c in enumerate(refs) if c}
+    assert held == dict(holders(managers)), pool.label
+    free = pool.free_block_ids()
+    assert len(free) == len(set(free)) == pool.get_num_free_blocks()
+    assert set(free) == {bid for bid in range(1, pool.num_gpu_blocks) if not refs[bid]}
+    assert pool.get_num_free_blocks() + len(held) + 1 == pool.num_gpu_blocks
+    keyed = set()
+    for key, ids in pool.cache_entries():
+        if own_groups is not None:
+            assert get_group_id(key) in own_groups, (pool.label, key)
+        for bid in ids:
+            assert 0 < bid < pool.num_gpu_blocks
+            block = pool.blocks[bid]
+            assert block.block_hash == key or key in pool._extra_block_hashes(bid)
+            keyed.add(bid)
+    for bid in range(1, pool.num_gpu_blocks):
+        block = pool.blocks[bid]
+        if block.block_hash is None:
+            assert not pool._extra_block_hashes(bid)
+            assert bid not in keyed
+        else:
+            assert pool._hash_maps_to(block.block_hash, bid)
+
+
+# ------------------------------------------------------------ per-group managers
+MAX_LEN = 1024
+"""max_model_len of the per-group layouts: vLLM sizes a 'none'-mode Mamba block to it."""
+
+
+def state_mamba(mode: str, speculative_blocks: int = 0) -> Any:
+    """A Mamba spec as vLLM builds it for a hybrid model: 'none'-mode blocks hold one
+    request's whole state (block size = max_model_len), 'align'-mode blocks are as long as
+    attention blocks."""
+    return MambaSpec(
+        block_size=BLOCK if mode == "align" else MAX_LEN,
+        shapes=((4, 64), (8, 16, 16)),
+        dtypes=(torch.bfloat16, torch.bfloat16),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=speculative_blocks,
+    )
+
+
+PER_GROUP_LAYOUTS: dict[str, list[Any]] = {
+    "full+mamba_none": [attn(), state_mamba("none")],
+    "full+mamba_align": [attn(), state_mamba("align")],
+    "full+swa+mamba_align": [attn(), attn(window=32), state_mamba("align")],
+    # Two pools that grow with the sequence: two full-attention specs.
+    "full+full32": [attn(), wide_attn()],
+    # Two full-attention groups of one spec: one pool for both (see SHARED_POOLS).
+    "full+full+mamba_align": [attn(), attn(), state_mamba("align")],
+}
+SHARED_POOLS: dict[str, list[tuple[int, ...]]] = {"full+full+mamba_align": [(0, 1), (2,)]}
+"""Layouts whose groups do not each get their own pool: the groups of each pool."""
+
+
+def per_group_caching(specs: list[Any]) -> bool:
+    """vLLM runs Mamba in 'none' mode only without prefix caching (it switches to
+    'align' when caching is on)."""
+    return not any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "none" for s in specs)
+
+
+def per_group_config(
+    specs: list[Any], sizes: list[int], pools: list[tuple[int, ...]] | None = None
+) -> PerGroupKVCacheConfig:
+    """By default group i draws from pool i with ``sizes[i]`` blocks; ``pools`` lists the
+    groups of each pool instead (in pool order, ``sizes`` per pool). Mamba pools do not
+    grow; the primary pool is the first pool that grows."""
+    groups_of_pools = pools if pools is not None else [(i,) for i in range(len(specs))]
+    layouts = tuple(
+        PoolLayout(
+            tuple(gids),
+            n,
+            grows=not isinstance(specs[gids[0]], MambaSpec),
+            label="g" + "+g".join(map(str, gids)),
+        )
+        for gids, n in zip(groups_of_pools, sizes, strict=True)
+    )
+    primary = next(p for p in layouts if p.grows)
+    return PerGroupKVCacheConfig(
+        num_blocks=primary.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=group_specs(specs),
+        pool_layouts=layouts,
+    )
+
+
+def stock_config(specs: list[Any], num_blocks: int) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=group_specs(specs)
+    )
+
+
+def layout_manager(
+    config: KVCacheConfig, events: bool = False, collector: Any = None
+) -> KVCacheManager:
+    """vLLM's KVCacheManager for a per-group layout (stock config or per-group config:
+    whichever pool and coordinator the installed integration makes vLLM build)."""
+    specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+    return KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=scheduler_block_size(specs),
+        hash_block_size=BLOCK,
+        enable_caching=per_group_caching(specs),
+        enable_kv_cache_events=events,
+        metrics_collector=collector,
+    )
+
+
+def genuine_stock_manager(config: KVCacheConfig, events: bool = False) -> KVCacheManager:
+    """vLLM's own manager, coordinator and pool: built with the integration uninstalled."""
+    integration.uninstall()
+    mgr = layout_manager(config, events)
+    assert type(mgr.block_pool) is StockPool
+    assert type(mgr.coordinator).__module__ == "vllm.v1.core.kv_cache_coordinator"
+    assert not isinstance(mgr.coordinator, PerGroupPoolsMixin)
+    return mgr
+
+
+def per_group_manager(
+    config: PerGroupKVCacheConfig, events: bool = False, collector: Any = None
+) -> KVCacheManager:
+    """vLLM's manager with the per-group coordinator over a PoolSet (the integration is
+    installed while vLLM builds it, and uninstalled again)."""
+    integration.install(per_group_pools=False)
+    pg_coordinator.install()
+    try:
+        mgr = layout_manager(config, events, collector)
+    finally:
+        pg_coordinator.uninstall()
+        integration.uninstall()
+    assert isinstance(mgr.coordinator, PerGroupPoolsMixin)
+    assert isinstance(mgr.block_pool, PoolSet)
+    return mgr
 
 
 # ------------------------------------------------------------------- engine level
@@ -298,23 +593,6 @@ def check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: boo
     for event in ("before_reset", "after_reset"):
         state = ours["probe"][event]
         assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
-
-
-# ----------------------------------------------------------- per-group layouts
-MAX_LEN = 1024
-"""max_model_len of the per-group layouts: vLLM sizes a 'none'-mode Mamba block to it."""
-
-
-def state_mamba(mode: str) -> Any:
-    """A Mamba spec as vLLM builds it for a hybrid model: 'none'-mode blocks hold one
-    request's whole state (block size = max_model_len), 'align'-mode blocks are as long as
-    attention blocks."""
-    return MambaSpec(
-        block_size=BLOCK if mode == "align" else MAX_LEN,
-        shapes=((4, 64), (8, 16, 16)),
-        dtypes=(torch.bfloat16, torch.bfloat16),
-        mamba_cache_mode=mode,
-    )
 
 
 def fake_vllm_config(

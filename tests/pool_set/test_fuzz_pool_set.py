@@ -14,12 +14,13 @@ from collections import Counter
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 from vllm.v1.core.kv_cache_utils import get_group_id
 
 from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
-from tests.helpers import budget, count_step, make_request
+from tests.helpers import CountingMachine, budget, make_request, stepping
 
 BS = 4
 
@@ -28,7 +29,9 @@ def pool_state(pool: Any) -> Any:
     return pool.free_block_ids(), pool.ref_counts(), pool.cache_entries()
 
 
-class PoolSetMachine(RuleBasedStateMachine):
+class PoolSetMachine(CountingMachine):
+    MACHINE = "pool_set"
+
     def __init__(self) -> None:
         super().__init__()
         # request id -> {group: blocks}
@@ -40,8 +43,10 @@ class PoolSetMachine(RuleBasedStateMachine):
     @initialize(
         sizes=st.lists(st.integers(2, 14), min_size=2, max_size=4),
         shared=st.booleans(),
+        first=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=3),
     )
-    def build(self, sizes: list[int], shared: bool) -> None:
+    def build(self, sizes: list[int], shared: bool, first: list[tuple[int, int]]) -> None:
+        """The pools, then a few requests admitted (every example starts with state)."""
         # Optionally two groups share the first pool (same page size, one pool).
         groups = list(range(len(sizes) + (1 if shared else 0)))
         layouts = []
@@ -57,14 +62,15 @@ class PoolSetMachine(RuleBasedStateMachine):
             layouts.append(PoolLayout(group_ids=(g,), num_blocks=n, grows=False, label=f"p{g}"))
         self.groups = groups
         self.set = PoolSet(layouts, enable_caching=True, hash_block_size=BS)
+        for seed, n in first:
+            self.admit_request(seed, n)
 
     # ---------------------------------------------------------------- helpers
     def others_unchanged(self, touched: set[int]) -> Any:
         return {i: pool_state(p) for i, p in enumerate(self.set) if i not in touched}
 
     # ------------------------------------------------------------------ rules
-    @rule(seed=st.integers(0, 3), num_blocks=st.integers(1, 4))
-    def admit(self, seed: int, num_blocks: int) -> None:
+    def admit_request(self, seed: int, num_blocks: int) -> None:
         req = make_request(seed, num_blocks, BS)
         taken: dict[int, list[Any]] = {}
         for g in self.groups:
@@ -90,8 +96,14 @@ class PoolSetMachine(RuleBasedStateMachine):
         self.reqs[self.next_id] = req
         self.next_id += 1
 
+    @rule(seed=st.integers(0, 3), num_blocks=st.integers(1, 4))
+    @stepping
+    def admit(self, seed: int, num_blocks: int) -> None:
+        self.admit_request(seed, num_blocks)
+
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
+    @stepping
     def cache(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         g = data.draw(st.sampled_from(self.groups))
@@ -106,6 +118,7 @@ class PoolSetMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
+    @stepping
     def free(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         held = self.requests.pop(rid)
@@ -113,39 +126,54 @@ class PoolSetMachine(RuleBasedStateMachine):
         mixed = [b for g in self.groups for b in reversed(held[g])]
         self.set.free_blocks(mixed)
 
+    @precondition(lambda self: any(p.cache_entries() for p in self.set))
     @rule(data=st.data())
+    @stepping
     def evict(self, data: st.DataObject) -> None:
-        g = data.draw(st.sampled_from(self.groups))
+        """Evict by (group, IDs): at least one cached block of the group's pool, and any
+        other IDs of that pool. A bare set of IDs names no pool: refused first, with
+        nothing changed."""
+        before = self.others_unchanged(set())
+        bare = data.draw(st.sets(st.integers(0, 3), min_size=1, max_size=3))
+        with pytest.raises(TypeError, match="scoped to a pool"):
+            self.set.evict_blocks(bare)  # type: ignore[arg-type]
+        assert self.others_unchanged(set()) == before
+        cached_groups = [
+            g
+            for g in self.groups
+            if any(get_group_id(key) == g for key, _ in self.set.pool_for_group(g).cache_entries())
+        ]
+        g = data.draw(st.sampled_from(cached_groups))
         pool = self.set.pool_for_group(g)
-        ids = data.draw(st.sets(st.integers(0, pool.num_gpu_blocks - 1), max_size=3))
+        cached = sorted(
+            {i for key, ids in pool.cache_entries() if get_group_id(key) == g for i in ids}
+        )
+        ids = {data.draw(st.sampled_from(cached))}
+        ids |= data.draw(st.sets(st.integers(0, pool.num_gpu_blocks - 1), max_size=2))
         before = self.others_unchanged({self.set.index_of(pool)})
         self.set.evict_blocks({g: ids})
         assert self.others_unchanged({self.set.index_of(pool)}) == before
 
-    @rule(ids=st.sets(st.integers(0, 3), min_size=1, max_size=3))
-    def evict_bare_ids_is_refused(self, ids: set[int]) -> None:
-        """A bare set of block IDs names no pool: refused, nothing changes."""
-        before = self.others_unchanged(set())
-        try:
-            self.set.evict_blocks(ids)  # type: ignore[arg-type]
-        except (TypeError, ValueError, KeyError):
-            pass
-        else:
-            raise AssertionError("bare block IDs were accepted")
-        assert self.others_unchanged(set()) == before
-
+    @precondition(lambda self: any(p.cache_entries() for p in self.set))
     @rule()
+    @stepping
     def reset(self) -> None:
+        """All pools or none: refused (nothing changes) while any pool has a block in use,
+        else every pool's cache is empty afterwards."""
         before = self.others_unchanged(set())
-        if not self.set.reset_prefix_cache():
-            assert self.others_unchanged(set()) == before  # all or nothing
+        busy = any(p.get_num_free_blocks() != p.num_gpu_blocks - 1 for p in self.set)
+        ok = self.set.reset_prefix_cache()
+        assert ok == (not busy)
+        if ok:
+            assert all(p.cache_entries() == [] for p in self.set)
+        else:
+            assert self.others_unchanged(set()) == before
 
     # ------------------------------------------------------------- invariants
     @invariant()
     def pools_stay_apart(self) -> None:
         if not hasattr(self, "set"):
             return
-        count_step("pool_set")
         self.set.check_invariants()
         holders: list[Counter[int]] = [Counter() for _ in self.set]
         for held in self.requests.values():
@@ -161,6 +189,15 @@ class PoolSetMachine(RuleBasedStateMachine):
             own_groups = {g for g in self.groups if self.set.pool_for_group(g) is pool}
             for key, _ids in pool.cache_entries():
                 assert get_group_id(key) in own_groups, "a pool caches another pool's group"
+        self.account(
+            (
+                tuple(pool_state(p) for p in self.set),
+                sorted(
+                    (rid, g, len(b)) for rid, held in self.requests.items() for g, b in held.items()
+                ),
+                sorted(self.cached.items()),
+            )
+        )
 
 
 PoolSetMachine.TestCase.settings = settings(max_examples=budget(100), stateful_step_count=40)
