@@ -5,91 +5,26 @@ counts, same events."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-import torch
 from hypothesis import given, settings
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool as StockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc import integration
 from hybrid_alloc.integration import manager_patches
 from hybrid_alloc.integration.block_pool import BlockPool as RustPool
-from tests.helpers import normalize_events, rust_snapshot, stock_snapshot
-
-BLOCK = 16
-init_none_hash(sha256)
-HASHER = get_request_block_hasher(BLOCK, sha256)
-
-
-def attn(window: int | None = None) -> Any:
-    common = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
-    if window is None:
-        return FullAttentionSpec(**common)
-    return SlidingWindowSpec(sliding_window=window, **common)
-
-
-def mamba(mode: str) -> Any:
-    return MambaSpec(
-        block_size=BLOCK,
-        shapes=((4, 64), (8, 16, 16)),
-        dtypes=(torch.bfloat16, torch.bfloat16),
-        mamba_cache_mode=mode,
-    )
-
-
-LAYOUTS: dict[str, list[Any]] = {
-    "full": [attn()],
-    "full+swa": [attn(), attn(window=48)],
-    "full+mamba_align": [attn(), mamba("align")],
-    "full+swa+mamba_align": [attn(), attn(window=32), mamba("align")],
-}
-
-
-@contextmanager
-def pool_class(cls: type) -> Iterator[None]:
-    """Build managers with ``cls``; ours comes with the plugin's batched prefix lookup."""
-    if cls is RustPool:
-        integration.install(per_group_pools=False)
-    else:
-        integration.uninstall()
-    try:
-        yield
-    finally:
-        integration.uninstall()
-
-
-def build_manager(
-    cls: type, layout: str, num_blocks: int, events: bool, eagle: bool = False
-) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(LAYOUTS[layout])]
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    mgr = KVCacheManager(
-        config,
-        max_model_len=2048,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-        enable_kv_cache_events=events,
-        use_eagle=eagle,
-    )
-    assert type(mgr.block_pool) is cls
-    return mgr
+from tests.helpers import (
+    HASHER,
+    LAYOUTS,
+    build_manager,
+    normalize_events,
+    pool_class,
+    rust_snapshot,
+    stock_snapshot,
+)
 
 
 def make_requests(seed: int, n: int) -> list[tuple[list[int], int]]:
@@ -226,3 +161,34 @@ def test_trace_exercises_hits_and_preemption(layout: str) -> None:
     entries = [e for log in logs for e in log]
     assert any(e[0] == "admit" and e[2] > 0 and e[3] for e in entries), "no prefix-cache hit"
     assert any(e[0] == "decode" and not e[2] for e in entries), "no preemption"
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected_groups"),
+    [("full+full", [[0, 1]]), ("full32+full", [[0], [1]])],
+)
+def test_batched_lookup_serves_multi_group_layouts(
+    layout: str, expected_groups: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin's batched prefix lookup (manager_patches) is what runs for two
+    full-attention groups: one call for both groups of one spec, one call per group for
+    two specs, the 32-token group given vLLM's 32-token view of 16-token hashes
+    (hash_block_size < block_size). It finds prefix hits there, and the traces above
+    match stock's on the same layouts."""
+    calls: list[tuple[list[int], int, int]] = []
+    native = RustPool.get_cached_prefix
+
+    def spy(self: Any, hashes: Any, group_ids: list[int], max_blocks: int) -> Any:
+        found = native(self, hashes, group_ids, max_blocks)
+        scale = getattr(hashes, "scale_factor", 1)
+        calls.append((list(group_ids), scale, len(found[0])))
+        return found
+
+    monkeypatch.setattr(RustPool, "get_cached_prefix", spy)
+    log = run_trace(RustPool, layout, 3, 60, False)[0]
+    assert sorted({tuple(g) for g, _, _ in calls}) == [tuple(g) for g in expected_groups]
+    for groups, scale, _ in calls:
+        # Group 0 of "full32+full" has 32-token blocks over 16-token hashes.
+        assert scale == (2 if layout == "full32+full" and groups == [0] else 1)
+    assert any(found for *_, found in calls), "no batched lookup found a cached block"
+    assert any(e[0] == "admit" and e[2] > 0 for e in log), "no prefix hit"
