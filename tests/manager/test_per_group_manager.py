@@ -20,12 +20,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
 )
@@ -35,19 +32,24 @@ from hybrid_alloc import integration
 from hybrid_alloc.integration import coordinator as pg_coordinator
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
-from tests.helpers import BLOCK, MAX_LEN, attn
-from tests.helpers import state_mamba as mamba
+from tests.helpers import (
+    HASHER,
+    PER_GROUP_LAYOUTS,
+    check_our_pool,
+    genuine_stock_manager,
+    group_specs,
+    layout_manager,
+    per_group_caching,
+    per_group_manager,
+    stock_config,
+)
+from tests.helpers import per_group_config as make_config
 
-LAYOUTS: dict[str, list[Any]] = {
-    "full+mamba_none": [attn(), mamba("none")],
-    "full+mamba_align": [attn(), mamba("align")],
-    "full+swa+mamba_align": [attn(), attn(window=32), mamba("align")],
-}
+LAYOUTS = PER_GROUP_LAYOUTS
 
 
 def caching(layout: str) -> bool:
-    # vLLM runs Mamba in 'none' mode only without prefix caching (it switches to 'align').
-    return "none" not in layout
+    return per_group_caching(LAYOUTS[layout])
 
 
 @contextmanager
@@ -61,48 +63,37 @@ def installed() -> Iterator[None]:
         integration.uninstall()
 
 
-def group_specs(layout: str) -> list[KVCacheGroupSpec]:
-    return [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(LAYOUTS[layout])]
-
-
 def per_group_config(layout: str, sizes: list[int]) -> PerGroupKVCacheConfig:
-    """Group i draws from pool i with ``sizes[i]`` blocks; Mamba pools do not grow."""
-    specs = LAYOUTS[layout]
-    pools = tuple(
-        PoolLayout((i,), n, grows=not isinstance(spec, MambaSpec), label=f"g{i}")
-        for i, (spec, n) in enumerate(zip(specs, sizes, strict=True))
-    )
-    primary = next(p for p in pools if p.grows)
-    return PerGroupKVCacheConfig(
-        num_blocks=primary.num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=group_specs(layout),
-        pool_layouts=pools,
-    )
+    """Group i draws from pool i with ``sizes[i]`` blocks (pools of the layout's shared
+    groups take the first group's size)."""
+    return make_config(LAYOUTS[layout], sizes)
 
 
 def build(config: KVCacheConfig, layout: str, events: bool = False) -> KVCacheManager:
-    block_sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
-    sched = max(block_sizes)
-    return KVCacheManager(
-        config,
-        max_model_len=MAX_LEN,
-        scheduler_block_size=sched,
-        hash_block_size=BLOCK if caching(layout) else sched,
-        enable_caching=caching(layout),
-        enable_kv_cache_events=events,
-    )
+    return layout_manager(config, events)
 
 
 class Driver:
-    """Admit / decode / finish requests on one manager; log what vLLM decided."""
+    """Admit / decode / finish requests on one manager; log what vLLM decided. Calls into
+    our manager run with the integration installed (the batched prefix lookup), calls
+    into vLLM's genuine stock manager with it uninstalled."""
 
     def __init__(self, mgr: KVCacheManager, layout: str) -> None:
         self.mgr = mgr
-        sched = max(g.kv_cache_spec.block_size for g in mgr.kv_cache_config.kv_cache_groups)
-        self.hasher = get_request_block_hasher(BLOCK if caching(layout) else sched, sha256)
+        self.ours = isinstance(mgr.block_pool, PoolSet)
         self.running: dict[str, Request] = {}
         self.log: list[Any] = []
+
+    @contextmanager
+    def calls(self) -> Iterator[None]:
+        if self.ours:
+            integration.install(per_group_pools=False)
+        else:
+            integration.uninstall()
+        try:
+            yield
+        finally:
+            integration.uninstall()
 
     def admit(self, rid: str, tokens: list[int], max_tokens: int) -> bool:
         req = Request(
@@ -110,16 +101,17 @@ class Driver:
             prompt_token_ids=tokens,
             sampling_params=SamplingParams(max_tokens=max_tokens),
             pooling_params=None,
-            block_hasher=self.hasher,
+            block_hasher=HASHER,
         )
-        blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
-        new = self.mgr.allocate_slots(
-            req,
-            req.num_tokens - num_hit,
-            num_new_computed_tokens=num_hit,
-            new_computed_blocks=blocks,
-            full_sequence_must_fit=True,
-        )
+        with self.calls():
+            blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
+            new = self.mgr.allocate_slots(
+                req,
+                req.num_tokens - num_hit,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=blocks,
+                full_sequence_must_fit=True,
+            )
         self.log.append(("admit", rid, num_hit, new is not None))
         if new is None:
             return False
@@ -127,21 +119,29 @@ class Driver:
         req.num_computed_tokens = req.num_tokens
         req.append_output_token_ids(7)
         self.running[rid] = req
+        self.log.append(("blocks", rid, self.shapes(rid)))
         return True
 
     def decode(self, rid: str, token: int) -> bool:
         req = self.running[rid]
-        new = self.mgr.allocate_slots(req, 1)
+        with self.calls():
+            new = self.mgr.allocate_slots(req, 1)
         self.log.append(("decode", rid, new is not None))
         if new is None:
             return False
         req.num_computed_tokens += 1
         req.append_output_token_ids(token)
+        self.log.append(("blocks", rid, self.shapes(rid)))
         return True
 
     def finish(self, rid: str) -> None:
-        self.mgr.free(self.running.pop(rid))
+        with self.calls():
+            self.mgr.free(self.running.pop(rid))
         self.log.append(("free", rid))
+
+    def shapes(self, rid: str) -> list[list[bool]]:
+        """The request's block table per group, as null / real (IDs are pool-scoped)."""
+        return [[i == 0 for i in ids] for ids in self.mgr.get_block_ids(rid)]
 
 
 def make_requests(seed: int, n: int) -> list[tuple[str, list[int], int]]:
@@ -184,24 +184,16 @@ def run(d: Driver, seed: int, check: Any = None) -> list[Any]:
 
 
 def check_pools(d: Driver) -> None:
-    """Every block a group holds is a block of that group's pool; counts add up."""
+    """Every manager draws from its group's pool, every block a group holds is a block of
+    that pool, each pool's reference counts equal the holders across the managers of its
+    groups, and free + held + null == total (see helpers.check_our_pool)."""
     pools: PoolSet = d.mgr.coordinator.pool_set  # type: ignore[attr-defined]
-    held: list[set[int]] = [set() for _ in pools]
-    for gid, manager in enumerate(d.mgr.coordinator.single_type_managers):
-        pool = pools.pool_for_group(gid)
-        assert manager.block_pool is pool
-        for blocks in manager.req_to_blocks.values():
-            for b in blocks:
-                assert b.pool is pool, (gid, b.block_id)
-                assert 0 <= b.block_id < pool.num_gpu_blocks
-                if not b.is_null:
-                    held[pools.pool_index_of_group(gid)].add(b.block_id)
+    managers = d.mgr.coordinator.single_type_managers
+    for gid, manager in enumerate(managers):
+        assert manager.block_pool is pools.pool_for_group(gid)
     for idx, pool in enumerate(pools):
-        refs = pool.ref_counts()
-        assert all(refs[bid] > 0 for bid in held[idx])
-        in_use = sum(1 for c in refs[1:] if c > 0)
-        assert pool.get_num_free_blocks() + in_use == pool.num_gpu_blocks - 1
-    pools.check_invariants()
+        groups = {g for g in range(len(managers)) if pools.pool_index_of_group(g) == idx}
+        check_our_pool(pool, [managers[g] for g in sorted(groups)], groups)
 
 
 # ---------------------------------------------------------------- differential
@@ -209,18 +201,12 @@ def check_pools(d: Driver) -> None:
 @settings(max_examples=6)
 @given(seed=st.integers(0, 10_000))
 def test_ample_pools_decide_like_vllm(layout: str, seed: int) -> None:
-    """Nothing is evicted with ample pools, so hits, admissions and decodes are vLLM's."""
+    """Nothing is evicted with ample pools, so hits, admissions, decodes and the shapes of
+    every block table are those of vLLM's own manager, coordinator and pool (built and
+    driven with the integration uninstalled)."""
     n = len(LAYOUTS[layout])
-    with installed():
-        stock_mgr = build(
-            KVCacheConfig(
-                num_blocks=4000, kv_cache_tensors=[], kv_cache_groups=group_specs(layout)
-            ),
-            layout,
-        )
-        ours = build(per_group_config(layout, [2000] * n), layout)
-    assert type(stock_mgr.coordinator).__module__.startswith("vllm.")
-    assert isinstance(ours.coordinator, pg_coordinator.PerGroupPoolsMixin)
+    stock_mgr = genuine_stock_manager(stock_config(LAYOUTS[layout], 4000))
+    ours = per_group_manager(per_group_config(layout, [2000] * n))
     stock_log = run(Driver(stock_mgr, layout), seed)
     our_log = run(Driver(ours, layout), seed, check_pools)
     assert our_log == stock_log
@@ -288,9 +274,10 @@ def test_full_mamba_pool_refuses_even_with_attention_room() -> None:
         mgr = build(per_group_config(layout, [200, 3]), layout)  # 2 usable Mamba blocks
     d = Driver(mgr, layout)
     assert _req(d, "a", 20) and _req(d, "b", 20)
-    free_attn = mgr.block_pool.get_num_free_blocks()
-    assert free_attn > 100
+    # Two blocks of attention each (20 tokens), one Mamba state block each.
+    assert mgr.block_pool.free_counts() == (199 - 4, 0)  # type: ignore[attr-defined]
     assert not _req(d, "c", 20)  # Mamba pool empty: one block per request in 'none' mode
+    assert mgr.block_pool.free_counts() == (199 - 4, 0)  # type: ignore[attr-defined]
     d.finish("a")
     assert _req(d, "c", 20)
     check_pools(d)
@@ -308,16 +295,36 @@ def test_full_attention_pool_refuses_even_with_mamba_room() -> None:
     assert _req(d, "b", 40)
 
 
-def test_per_pool_needs() -> None:
+@pytest.mark.parametrize(
+    ("sizes", "decision"),
+    [
+        ([100, 100, 20], [7, 7]),  # every pool holds its share: the primary's share
+        ([100, 100, 1], [101, 101]),  # the Mamba pool has no usable block
+        ([100, 7, 20], [101, 7]),  # 6 usable SWA blocks: enough only once 4 slid out
+    ],
+)
+def test_per_pool_needs(sizes: list[int], decision: list[int]) -> None:
+    """A 100-token request on full + SWA(32) + Mamba 'align' (16-token blocks):
+
+    * nothing computed: full attention needs cdiv(100, 16) = 7 blocks, the sliding
+      window too (nothing has left it yet), Mamba one running-state block;
+    * 96 tokens computed (an external claim): the first 96 - 32 + 1 = 65 tokens are
+      outside the window, so 4 SWA blocks are skipped and 3 are needed.
+
+    The coordinator answers the primary (first growing) pool's share when every other
+    pool can hold its own, else one more block than the primary pool has (101)."""
     layout = "full+swa+mamba_align"
-    with installed():
-        mgr = build(per_group_config(layout, [100, 100, 20]), layout)
-    coord = mgr.coordinator
-    args = ("x", 100, mgr.empty_kv_cache_blocks.blocks, 0, 0, 0, 100)
-    need = coord.get_num_blocks_to_allocate_per_pool(*args)  # type: ignore[attr-defined]
-    # 7 full-attention blocks, SWA blocks covering the window, Mamba state blocks.
-    assert need[0] == 7 and 0 < need[1] <= 7 and 0 < need[2] <= 3
-    assert coord.get_num_blocks_to_allocate(*args) == need[0]
+    mgr = per_group_manager(per_group_config(layout, sizes))
+    coord: Any = mgr.coordinator
+    empty = mgr.empty_kv_cache_blocks.blocks
+    fresh = ("x", 100, empty, 0, 0, 0, 100)
+    claimed = ("y", 100, empty, 0, 96, 0, 100)
+    assert coord.get_num_blocks_to_allocate_per_pool(*fresh) == [7, 7, 1]
+    assert coord.get_num_blocks_to_allocate_per_pool(*claimed) == [7, 3, 1]
+    assert [
+        coord.get_num_blocks_to_allocate(*fresh),
+        coord.get_num_blocks_to_allocate(*claimed),
+    ] == decision
 
 
 # ------------------------------------------------------------------- eviction
@@ -347,7 +354,9 @@ def test_stock_config_gets_stock_coordinator() -> None:
     layout = "full+mamba_align"
     with installed():
         mgr = build(
-            KVCacheConfig(num_blocks=50, kv_cache_tensors=[], kv_cache_groups=group_specs(layout)),
+            KVCacheConfig(
+                num_blocks=50, kv_cache_tensors=[], kv_cache_groups=group_specs(LAYOUTS[layout])
+            ),
             layout,
         )
     assert not isinstance(mgr.coordinator, pg_coordinator.PerGroupPoolsMixin)
@@ -365,6 +374,6 @@ def test_config_num_blocks_of_tensor_is_its_groups() -> None:
         PerGroupKVCacheConfig(
             num_blocks=4,
             kv_cache_tensors=[],
-            kv_cache_groups=group_specs("full+mamba_none"),
+            kv_cache_groups=group_specs(LAYOUTS["full+mamba_none"]),
             pool_layouts=(PoolLayout((0,), 4, True),),
         )
