@@ -72,25 +72,53 @@ pub struct PartialCached {
     pub newly_cached: bool,
 }
 
-impl GroupPool {
-    /// vLLM's `get_cached_block`: the first block cached under `block_hash` in each listed
-    /// group, or `None` as soon as one group misses.
-    pub fn cached_block<E>(
-        &self,
-        block_hash: &[u8],
-        group_ids: impl IntoIterator<Item = Result<u32, E>>,
-    ) -> Result<Option<Vec<BlockId>>, E> {
-        // Lookups name few groups (often one): no need to ask the caller's iterator.
-        let mut found = Vec::with_capacity(4);
-        let mut key = Vec::with_capacity(block_hash.len() + 4);
-        for gid in group_ids {
-            make_key(&mut key, block_hash, gid?);
-            match self.lookup(&key) {
-                Some(id) => found.push(id),
-                None => return Ok(None),
-            }
+/// A `get_cached_block` lookup in progress: the first block cached under one hash in each
+/// group given, or nothing as soon as one group misses. The caller reads the group IDs
+/// (a Python list, say) and hands them over one at a time.
+#[derive(Debug)]
+pub struct GroupHits<'a> {
+    pool: &'a GroupPool,
+    block_hash: &'a [u8],
+    key: Vec<u8>,
+    found: Vec<BlockId>,
+    missed: bool,
+}
+
+impl GroupHits<'_> {
+    /// Look the hash up in group `group_id`. Returns whether more groups are worth
+    /// reading: after a miss the answer is `None` whatever follows.
+    #[inline]
+    pub fn group(&mut self, group_id: u32) -> bool {
+        if self.missed {
+            return false;
         }
-        Ok(Some(found))
+        make_key(&mut self.key, self.block_hash, group_id);
+        match self.pool.lookup(&self.key) {
+            Some(id) => self.found.push(id),
+            None => self.missed = true,
+        }
+        !self.missed
+    }
+
+    /// The blocks found, one per group in order, or `None` if any group missed.
+    #[inline]
+    pub fn finish(self) -> Option<Vec<BlockId>> {
+        (!self.missed).then_some(self.found)
+    }
+}
+
+impl GroupPool {
+    /// vLLM's `get_cached_block` for `block_hash`: feed the groups to the returned
+    /// [`GroupHits`] in order, then [`finish`](GroupHits::finish) it.
+    #[inline]
+    pub fn cached_block<'a>(&'a self, block_hash: &'a [u8]) -> GroupHits<'a> {
+        GroupHits {
+            pool: self,
+            block_hash,
+            key: Vec::with_capacity(block_hash.len() + 4),
+            found: Vec::with_capacity(4),
+            missed: false,
+        }
     }
 
     /// The longest cached prefix of `block_hashes` (at most `max_blocks` hashes): walk
@@ -305,15 +333,19 @@ mod tests {
         let hs = hashes(1);
         cache_all(&mut p, &a[..1], &hs, 0);
         cache_all(&mut p, &a[1..], &hs, 2);
-        assert_eq!(
-            p.cached_block(b"h0", ok([0, 2])),
-            Ok(Some(vec![a[0], a[1]]))
-        );
-        assert_eq!(p.cached_block(b"h0", ok([0, 1, 2])), Ok(None));
-        assert_eq!(p.cached_block(b"h0", ok([])), Ok(Some(vec![])));
-        // Groups after the first miss are not read.
-        let groups = vec![Ok(1), Err("unread")];
-        assert_eq!(p.cached_block(b"h0", groups), Ok(None));
+        let lookup = |hash: &[u8], groups: &[u32]| {
+            let mut hits = p.cached_block(hash);
+            let read = groups.iter().take_while(|&&g| hits.group(g)).count();
+            (hits.finish(), read)
+        };
+        assert_eq!(lookup(b"h0", &[0, 2]), (Some(vec![a[0], a[1]]), 2));
+        // Groups after the first miss need not be read.
+        assert_eq!(lookup(b"h0", &[0, 1, 2]), (None, 1));
+        assert_eq!(lookup(b"h1", &[0]), (None, 0));
+        assert_eq!(lookup(b"h0", &[]), (Some(vec![]), 0));
+        let mut hits = p.cached_block(b"h0");
+        assert!(!hits.group(1) && !hits.group(0), "a miss is final");
+        assert_eq!(hits.finish(), None);
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub mod routing;
 #[cfg(feature = "python")]
 mod binding;
 
-pub use caching::{HashSource, PartialCached, PartialEntry, Span};
+pub use caching::{GroupHits, HashSource, PartialCached, PartialEntry, Span};
 pub use error::{OpError, PoolError};
 pub use free_queue::{FreeQueue, QueueCursor};
 pub use group_pool::{BlockId, GroupPool, NULL_BLOCK_ID};

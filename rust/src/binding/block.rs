@@ -159,6 +159,7 @@ pub(crate) struct HandleTable {
 
 impl HandleTable {
     /// The handle of block `id` of `owner` (a pool of `num_blocks` blocks).
+    #[inline]
     pub fn get(
         &mut self,
         owner: &Bound<'_, NativeBlockPool>,

@@ -468,8 +468,13 @@ impl NativeBlockPool {
     ) -> PyResult<Option<Bound<'py, PyList>>> {
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
-        let groups = items(kv_cache_group_ids)?.map(|g| g?.extract::<u32>());
-        match this.core.cached_block(block_hash, groups)? {
+        let mut hits = this.core.cached_block(block_hash);
+        for group in items(kv_cache_group_ids)? {
+            if !hits.group(group?.extract::<u32>()?) {
+                break;
+            }
+        }
+        match hits.finish() {
             Some(ids) => Ok(Some(this.handles.list(
                 slf,
                 this.core.num_blocks(),
