@@ -94,9 +94,10 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
         return "the hybrid KV-cache manager is disabled"
     if vllm_config.model_config.original_max_model_len == -1:
         return "max_model_len auto-fit"
-    if cache.mamba_cache_mode == "align" and _gpu_worker(vllm_config, v2_runner=True):
+    if cache.mamba_cache_mode == "align" and _stock_gpu_worker(vllm_config, v2_runner=True):
         # Its profiling runs fabricate block IDs for every group modulo the primary
-        # pool's block count (set_dummy_context), past the end of a smaller 'align' pool.
+        # pool's block count (set_dummy_context), past the end of a smaller 'align' pool;
+        # the worker hooks (`worker.install_gpu_runner_hooks`) keep them in each pool.
         return (
             "Mamba 'align' mode under vLLM's V2 GPU model runner (VLLM_USE_V2_MODEL_RUNNER=0 "
             "selects the V1 runner, which per-group pools support)"
@@ -104,12 +105,18 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
     return None
 
 
-def _gpu_worker(vllm_config: Any, v2_runner: bool = False) -> bool:
+def _stock_gpu_worker(vllm_config: Any, v2_runner: bool = False) -> bool:
     """Whether the workers are vLLM's GPU workers (optionally: running the V2 model
-    runner). The CPU worker is the one tested end to end here."""
+    runner) without this package's GPU-runner hooks. The plugin installs those hooks in
+    every process it loads in (engine core and workers alike, :func:`.install`), so the
+    engine core's own hooks stand for its workers'. The CPU worker is the one tested end to
+    end here; the hooks' parts of the GPU runners are driven on CPU by
+    ``tests/engine/test_gpu_runner.py``."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    from hybrid_alloc.integration import worker
+
+    if current_platform.is_cpu() or worker.gpu_runner_hooks_installed():
         return False
     return not v2_runner or bool(getattr(vllm_config, "use_v2_model_runner", False))
 
@@ -132,8 +139,9 @@ def spec_unsupported_reason(
     if not all(isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in other):
         return "attention layers other than full or sliding-window attention"
     if gpu_worker and len(set(other)) > 1:
-        # KVBlockZeroer zeroes each new attention block ID in every attention layer, with
-        # one block count for all of them: right for one attention pool only.
+        # Stock KVBlockZeroer zeroes each new attention block ID in every attention layer,
+        # with one block count for all of them: right for one attention pool only (the
+        # worker hooks zero per group instead).
         return "several attention pools next to Mamba layers on vLLM's GPU worker"
     return None
 
@@ -143,7 +151,7 @@ def unsupported_reason(
 ) -> str | None:
     """Why per-group pools cannot serve this engine (None if they can)."""
     return config_unsupported_reason(vllm_config) or spec_unsupported_reason(
-        kv_cache_specs, _gpu_worker(vllm_config)
+        kv_cache_specs, _stock_gpu_worker(vllm_config)
     )
 
 
@@ -421,6 +429,8 @@ def build_config(
         kv_cache_groups=groups,
         prefix_cache_retention_interval=(vllm_config.cache_config.prefix_cache_retention_interval),
         pool_layouts=layouts,
+        # New blocks are zeroed as stock vLLM zeroes them, their IDs tagged per group.
+        zero_new_blocks=True,
     )
     tp_replicas = importlib.import_module(versions.release().tp_replicas_module)
     config.kv_tp_replicas = tp_replicas.kv_cache_groups_tp_replicas(

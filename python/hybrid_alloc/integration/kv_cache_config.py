@@ -10,10 +10,19 @@ and, pickled, to the workers, so both sides read the same per-pool block counts:
 
 ``num_blocks`` (the one count the rest of vLLM reads: ``num_gpu_blocks``, the watermark)
 is the primary pool's, i.e. that of the first pool that grows with the sequence.
+
+New blocks are zeroed as stock vLLM zeroes them (:attr:`needs_kv_cache_zeroing`), but the
+scheduler sends their IDs to the workers as one flat list (``new_block_ids_to_zero``),
+which cannot tell pool-scoped IDs of different groups apart. So the IDs on that list are
+*tagged*: group ``g``'s block ``b`` travels as ``zero_id_offsets[g] + b`` (the offsets stack
+the groups' pool sizes), and the worker hooks (:mod:`.worker`) split the list back into
+each group's own IDs (:meth:`PerGroupKVCacheConfig.split_tagged_block_ids`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
@@ -25,6 +34,10 @@ from hybrid_alloc.integration.pool_set import PoolLayout, pool_of_each_group
 class PerGroupKVCacheConfig(KVCacheConfig):
     pool_layouts: tuple[PoolLayout, ...] = ()
     """One entry per pool; every group index appears in exactly one."""
+    zero_new_blocks: bool = False
+    """Whether new blocks are zeroed (stock vLLM's rule, :attr:`needs_kv_cache_zeroing`);
+    the engine core's config sets it (:func:`.engine_sizing.build_config`). Zeroing needs
+    the worker hooks that split tagged IDs per group (:mod:`.worker`), installed with it."""
 
     def __post_init__(self) -> None:
         owner = pool_of_each_group(self.pool_layouts)
@@ -55,9 +68,43 @@ class PerGroupKVCacheConfig(KVCacheConfig):
 
     @property
     def needs_kv_cache_zeroing(self) -> bool:
-        # vLLM zeroes fresh attention blocks because, in one shared pool, a block may
-        # last have held Mamba state or KV of another precision. Here every pool serves
-        # groups of one kind and its blocks never change hands between kinds, and the
-        # worker's zeroing takes one flat list of IDs that it applies to every attention
-        # layer, which would be wrong with pool-scoped IDs.
-        return False
+        # Stock vLLM's rule (configs with Mamba layers or mixed KV precisions), when this
+        # config asks for zeroing: the IDs then travel tagged with their group
+        # (`tag_block_ids`) and the workers zero each group's IDs in that group's layers
+        # only, with its own block count.
+        return self.zero_new_blocks and bool(super().needs_kv_cache_zeroing)
+
+    def group_num_blocks(self) -> list[int]:
+        """Each group's pool size, in group order (the block count its tensors are viewed
+        with)."""
+        return [self.layout_of_group(g).num_blocks for g in range(len(self.kv_cache_groups))]
+
+    def zero_id_offsets(self) -> list[int]:
+        """Where each group's tagged IDs start: the pool sizes of the groups before it."""
+        offsets, total = [], 0
+        for n in self.group_num_blocks():
+            offsets.append(total)
+            total += n
+        return offsets
+
+    def tag_block_ids(self, group_id: int, block_ids: Iterable[int]) -> list[int]:
+        """Group ``group_id``'s pool-scoped IDs as tagged IDs (unique across groups)."""
+        offset = self.zero_id_offsets()[group_id]
+        return [offset + b for b in block_ids]
+
+    def split_tagged_block_ids(self, tagged: Iterable[int]) -> dict[int, list[int]]:
+        """Tagged IDs back as ``{group: pool-scoped IDs}`` (groups in order of first
+        appearance, IDs in list order).
+
+        Raises:
+            ValueError: an ID past the last group's pool.
+        """
+        offsets = self.zero_id_offsets()
+        end = offsets[-1] + self.group_num_blocks()[-1] if offsets else 0
+        out: dict[int, list[int]] = {}
+        for t in tagged:
+            if not 0 <= t < end:
+                raise ValueError(f"tagged block ID {t} is outside 0..{end - 1}")
+            g = bisect_right(offsets, t) - 1
+            out.setdefault(g, []).append(t - offsets[g])
+        return out

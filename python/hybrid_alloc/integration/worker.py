@@ -10,18 +10,40 @@ another group's, so the hook here skips both and keeps only what 'align' mode ne
 configuration per-group pools do not serve (``sizing.config_unsupported_reason``) keep
 vLLM's hook: their engine core sizes vLLM's shared pool, which needs the padding.
 
-The rest of the worker needs no change: vLLM's ``allocate_kv_cache`` views every tensor
-with ``kv_cache_config.num_blocks_of(tensor)`` (answered per group by
-:class:`~hybrid_alloc.integration.kv_cache_config.PerGroupKVCacheConfig`), Mamba layers take their
-state count from their view, and each group's block table indexes its own layers.
+vLLM's ``allocate_kv_cache`` views every tensor with ``kv_cache_config.num_blocks_of(tensor)``
+(answered per group by :class:`~hybrid_alloc.integration.kv_cache_config.PerGroupKVCacheConfig`),
+Mamba layers take their state count from their view, and each group's block table indexes
+its own layers. What still assumes one shared pool is handled by the runner hooks here
+(:func:`install_gpu_runner_hooks`; they act only on a ``PerGroupKVCacheConfig``, any other
+config goes to vLLM's code unchanged):
+
+* **zeroing new blocks.** The scheduler sends one flat list of new attention block IDs
+  (``SchedulerOutput.new_block_ids_to_zero``, from ``KVCacheManager.take_new_block_ids``)
+  and vLLM's ``KVBlockZeroer`` zeroes each ID in every attention layer, with the primary
+  pool's block count for all of them. Here the scheduler tags each ID with its group
+  (``PerGroupKVCacheConfig.tag_block_ids``), and the GPU runners (V1 and V2,
+  ``_init_kv_zero_meta``) build one ``KVBlockZeroer`` per group, over that group's layers
+  and with its own block count, which zero that group's IDs only
+  (:class:`PerGroupBlockZeroer`). The CPU runner's ``_zero_block_ids`` zeroes each group's
+  IDs in that group's full-attention layers;
+* **the V2 GPU model runner's fabricated block IDs.** Its dummy runs (profiling, cudagraph
+  capture: ``prepare_dummy_attn`` and ``set_dummy_context``) fill every group's block table
+  with IDs modulo the primary pool's count, and its kernel warmup (``warmup_kernels``)
+  hands out IDs from one counter across all groups. Here the dummy IDs are taken modulo each
+  group's own count, and the warmup's IDs are renumbered densely within each group's pool.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
+
+from hybrid_alloc.integration import versions
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
 # vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
 logger = init_logger("vllm.hybrid_alloc")
@@ -50,14 +72,332 @@ def _align_without_padding(cls: Any, vllm_config: Any, backend_cls: Any) -> None
     )
 
 
+def _per_group(config: Any) -> PerGroupKVCacheConfig | None:
+    return config if isinstance(config, PerGroupKVCacheConfig) else None
+
+
+# ---------------------------------------------------------------- zeroing new blocks
+def _tagging_take_new_block_ids(stock: Callable[..., list[int]]) -> Callable[..., list[int]]:
+    """``KVCacheManager.take_new_block_ids`` (scheduler): each manager's new IDs tagged
+    with its group, so that the workers can tell pool-scoped IDs of different pools apart."""
+
+    def take_new_block_ids(self: Any) -> list[int]:
+        config = _per_group(getattr(self, "kv_cache_config", None))
+        if config is None or not config.zero_new_blocks:
+            return stock(self)
+        ids: list[int] = []
+        for manager in self.coordinator.single_type_managers:
+            new = manager.take_new_block_ids()
+            ids.extend(config.tag_block_ids(manager.kv_cache_group_id, new))
+        return ids
+
+    return take_new_block_ids
+
+
+class PerGroupBlockZeroer:
+    """vLLM's ``KVBlockZeroer`` once per KV-cache group: each over the group's own layers
+    and viewed with the group's own block count; :meth:`zero_block_ids` takes the
+    scheduler's tagged IDs and zeroes each group's IDs in that group's layers only. Same
+    interface as ``KVBlockZeroer`` (the runners and vLLM's warmup call it the same way)."""
+
+    def __init__(
+        self,
+        device: Any,
+        attn_groups_iter: Iterable[Any],
+        kernel_block_sizes: list[int],
+        static_forward_context: dict[str, Any],
+        config: PerGroupKVCacheConfig,
+        runner_only_attn_layers: set[str] | None = None,
+    ) -> None:
+        # Looked up at call time: the module's kernel is what a test replaces on CPU.
+        from vllm.v1.worker import utils as worker_utils
+
+        self.config = config
+        attn_groups = list(attn_groups_iter)
+        counts = config.group_num_blocks()
+        self.zeroers: dict[int, Any] = {}
+        for gid in sorted({g.kv_cache_group_id for g in attn_groups}):
+            self.zeroers[gid] = worker_utils.KVBlockZeroer(
+                device,
+                attn_groups_iter=[g for g in attn_groups if g.kv_cache_group_id == gid],
+                kernel_block_sizes=kernel_block_sizes,
+                static_forward_context=static_forward_context,
+                num_blocks=counts[gid],
+                runner_only_attn_layers=runner_only_attn_layers,
+            )
+
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        for gid, ids in self.config.split_tagged_block_ids(block_ids).items():
+            zeroer = self.zeroers.get(gid)
+            if zeroer is not None:
+                zeroer.zero_block_ids(ids)
+
+    def warmup(self, num_kv_blocks: int) -> None:
+        """Compile the zeroing kernel (vLLM's ``KVBlockZeroer.warmup`` zeroes block 0, the
+        null block, of each group)."""
+        for gid, zeroer in self.zeroers.items():
+            zeroer.warmup(self.config.group_num_blocks()[gid])
+
+
+def _v2_init_kv_zero_meta(stock: Callable[..., None]) -> Callable[..., None]:
+    """The V2 GPU model runner's ``_init_kv_zero_meta`` (called by the GPU worker after the
+    KV cache is allocated, when the config asks for zeroing)."""
+
+    def _init_kv_zero_meta(self: Any) -> None:
+        config = _per_group(self.kv_cache_config)
+        if config is None:
+            return stock(self)
+        self.kv_block_zeroer = PerGroupBlockZeroer(
+            self.device,
+            (g for groups in self.attn_groups for g in groups),
+            self.kernel_block_sizes,
+            self.compilation_config.static_forward_context,
+            config,
+        )
+        return None
+
+    return _init_kv_zero_meta
+
+
+def _v1_init_kv_zero_meta(stock: Callable[..., None]) -> Callable[..., None]:
+    """The V1 GPU model runner's ``_init_kv_zero_meta``."""
+
+    def _init_kv_zero_meta(self: Any) -> None:
+        config = _per_group(self.kv_cache_config)
+        if config is None:
+            return stock(self)
+        self._kv_block_zeroer = PerGroupBlockZeroer(
+            self.device,
+            self._kv_cache_spec_attn_group_iterator(),
+            self._kernel_block_sizes,
+            self.compilation_config.static_forward_context,
+            config,
+            runner_only_attn_layers=self.runner_only_attn_layers,
+        )
+        return None
+
+    return _init_kv_zero_meta
+
+
+def _cpu_zero_block_ids(stock: Callable[..., None]) -> Callable[..., None]:
+    """The CPU model runner's ``_zero_block_ids``: vLLM's zeroes every ID in every
+    full-attention layer; here each group's IDs are zeroed in that group's full-attention
+    layers (the kinds vLLM's CPU runner zeroes), at that group's own block indices."""
+
+    def _zero_block_ids(self: Any, block_ids: list[int]) -> None:
+        config = _per_group(self.kv_cache_config)
+        if config is None:
+            return stock(self, block_ids)
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        context = self.compilation_config.static_forward_context
+        done: set[tuple[int, int]] = set()
+        for gid, ids in config.split_tagged_block_ids(block_ids).items():
+            group = config.kv_cache_groups[gid]
+            if not isinstance(group.kv_cache_spec, FullAttentionSpec):
+                continue
+            for name in group.layer_names:
+                kv = getattr(context.get(name), "kv_cache", None)
+                # Layers that share one tensor (vLLM's KV sharing) are zeroed once.
+                if not hasattr(kv, "data_ptr") or (kv.data_ptr(), gid) in done:
+                    continue
+                done.add((kv.data_ptr(), gid))
+                kv[ids] = 0
+        return None
+
+    return _zero_block_ids
+
+
+# ------------------------------------------------ the V2 runner's fabricated block IDs
+_POOL_COUNTS_ATTR = "_hybrid_alloc_group_num_blocks"
+
+
+def _wrap_into_pools(tables: Sequence[Any], num_reqs: int, counts: Sequence[int]) -> None:
+    """Every ID in the first ``num_reqs`` rows of group ``g``'s table taken modulo that
+    group's block count (ID 0, the null block, stays 0)."""
+    for table, n in zip(tables, counts, strict=False):
+        table[:num_reqs].remainder_(n)
+
+
+def _v2_prepare_dummy_attn(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """The V2 runner's ``prepare_dummy_attn``: its state slots ``1..num_reqs`` (with
+    ``valid_state_slots``) kept inside each group's pool; it also leaves the groups' counts
+    on the runner's ``BlockTables`` for :func:`_v2_set_dummy_context`."""
+
+    def prepare_dummy_attn(self: Any, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        block_tables, slot_mappings = stock(self, input_batch, *args, **kwargs)
+        config = _per_group(self.kv_cache_config)
+        if config is not None:
+            counts = config.group_num_blocks()
+            setattr(self.block_tables, _POOL_COUNTS_ATTR, counts)
+            _wrap_into_pools(block_tables, input_batch.num_reqs, counts)
+        return block_tables, slot_mappings
+
+    return prepare_dummy_attn
+
+
+def _v2_set_dummy_context(stock: Callable[..., None]) -> Callable[..., None]:
+    """``set_dummy_context`` as the V2 runner calls it: vLLM's fills every group's table
+    with IDs modulo the primary pool's count; each group's are then taken modulo its own."""
+
+    def set_dummy_context(input_batch: Any, block_tables: Any, *args: Any, **kwargs: Any) -> None:
+        stock(input_batch, block_tables, *args, **kwargs)
+        counts = getattr(block_tables, _POOL_COUNTS_ATTR, None)
+        if counts is None:
+            return
+        tables = kwargs.get("input_block_tables", args[3] if len(args) > 3 else None)
+        if tables is None:
+            tables = block_tables.input_block_tables
+        _wrap_into_pools(tables, input_batch.num_reqs, counts)
+
+    return set_dummy_context
+
+
+class WarmupBlockRenumbering:
+    """Renumbers the block IDs of the V2 runner's warmup steps within each group's pool:
+    vLLM's warmup gives out IDs ``1, 2, ...`` from one counter across all groups (bounded
+    by the primary pool only); here group ``g``'s IDs become ``1, 2, ...`` in order of first
+    use, wrapping at its pool's end, the same original ID always the same new one."""
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = list(counts)
+        self.maps: list[dict[int, int]] = [{} for _ in self.counts]
+
+    def group_ids(self, gid: int, ids: Iterable[int]) -> list[int]:
+        mapping, n = self.maps[gid], self.counts[gid]
+        for b in ids:
+            if b not in mapping:
+                mapping[b] = 1 + len(mapping) % (n - 1) if n > 1 else 0
+        return [mapping[b] for b in ids]
+
+    def per_group(self, block_ids: Sequence[Iterable[int]]) -> tuple[list[int], ...]:
+        return tuple(self.group_ids(g, ids) for g, ids in enumerate(block_ids))
+
+    def __call__(self, scheduler_output: Any) -> None:
+        for req in scheduler_output.scheduled_new_reqs:
+            req.block_ids = self.per_group(req.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        cached.new_block_ids = [
+            None if ids is None else self.per_group(ids) for ids in cached.new_block_ids
+        ]
+
+
+def _v2_warmup_kernels(stock: Callable[..., None]) -> Callable[..., None]:
+    """``warmup_kernels`` as the workers call it: its scheduler outputs renumbered per
+    group (:class:`WarmupBlockRenumbering`) before they reach the worker."""
+
+    def warmup_kernels(
+        model_runner: Any,
+        worker_execute_model: Callable[..., Any],
+        worker_sample_tokens: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        config = _per_group(model_runner.kv_cache_config)
+        if config is not None:
+            renumber = WarmupBlockRenumbering(config.group_num_blocks())
+            execute = worker_execute_model
+
+            def worker_execute_model(scheduler_output: Any, *a: Any, **kw: Any) -> Any:
+                renumber(scheduler_output)
+                return execute(scheduler_output, *a, **kw)
+
+        return stock(model_runner, worker_execute_model, worker_sample_tokens, *args, **kwargs)
+
+    return warmup_kernels
+
+
+# (module, class or None for a module attribute, attribute, wrapper factory). All present
+# in vLLM 0.32.0 and 0.33.0; a target a release lacks is skipped. ``warmup_kernels`` is
+# wrapped where the GPU worker imported it by name and where it is defined (0.33's CPU
+# worker imports it from there when it runs); the worker's name is bound first.
+_RUNNER_HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
+    (
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager",
+        "take_new_block_ids",
+        _tagging_take_new_block_ids,
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "_init_kv_zero_meta",
+        _v1_init_kv_zero_meta,
+    ),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "_zero_block_ids", _cpu_zero_block_ids),
+    (
+        "vllm.v1.worker.gpu.model_runner",
+        "GPUModelRunner",
+        "_init_kv_zero_meta",
+        _v2_init_kv_zero_meta,
+    ),
+    (
+        "vllm.v1.worker.gpu.model_runner",
+        "GPUModelRunner",
+        "prepare_dummy_attn",
+        _v2_prepare_dummy_attn,
+    ),
+    ("vllm.v1.worker.gpu.model_runner", None, "set_dummy_context", _v2_set_dummy_context),
+    ("vllm.v1.worker.gpu_worker", None, "warmup_kernels", _v2_warmup_kernels),
+    ("vllm.v1.worker.gpu.warmup", None, "warmup_kernels", _v2_warmup_kernels),
+)
+# (module, class, attribute) -> vLLM's own object, while our wrapper is installed.
+_stock_runner: dict[tuple[str, str | None, str], Any] = {}
+_WRAPS = "_hybrid_alloc_wraps"  # on each wrapper: the vLLM function it wraps
+
+
+def _target(module_name: str, owner: str | None) -> Any:
+    module = importlib.import_module(module_name)
+    return module if owner is None else getattr(module, owner)
+
+
+def install_gpu_runner_hooks() -> None:
+    """Wrap the runner functions listed in ``_RUNNER_HOOKS`` (idempotent). Only on the
+    releases in :mod:`.versions`; a module that does not import (a build without it) or
+    lacks the attribute is left alone."""
+    if not versions.is_supported(versions.installed_version()):
+        return
+    for module_name, owner, attr, wrap in _RUNNER_HOOKS:
+        key = (module_name, owner, attr)
+        if key in _stock_runner:
+            continue
+        try:
+            target = _target(module_name, owner)
+        except Exception as e:  # a runner this build cannot import is not used either
+            logger.debug("hybrid_alloc: %s not hooked (%s)", ".".join(filter(None, key)), e)
+            continue
+        stock = vars(target).get(attr)
+        if stock is None or hasattr(stock, _WRAPS):
+            continue
+        wrapper = wrap(stock)
+        setattr(wrapper, _WRAPS, stock)
+        _stock_runner[key] = stock
+        setattr(target, attr, wrapper)
+
+
+def uninstall_gpu_runner_hooks() -> None:
+    for (module_name, owner, attr), stock in list(_stock_runner.items()):
+        setattr(_target(module_name, owner), attr, stock)
+        del _stock_runner[(module_name, owner, attr)]
+
+
+def gpu_runner_hooks_installed() -> bool:
+    return bool(_stock_runner)
+
+
 def install() -> None:
-    """Replace the hook on vLLM's base platform class (idempotent). Platforms that
-    override the hook themselves keep theirs."""
+    """Replace the hook on vLLM's base platform class (idempotent; platforms that override
+    the hook themselves keep theirs), and wrap the runner functions that assume one shared
+    pool (:func:`install_gpu_runner_hooks`)."""
     setattr(Platform, _ATTR, classmethod(_align_without_padding))
+    install_gpu_runner_hooks()
 
 
 def uninstall() -> None:
     setattr(Platform, _ATTR, _stock_align)
+    uninstall_gpu_runner_hooks()
 
 
 def is_installed() -> bool:
