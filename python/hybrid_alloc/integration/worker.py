@@ -366,7 +366,12 @@ def install_gpu_runner_hooks() -> None:
         try:
             target = _target(module_name, owner)
         except Exception as e:  # a runner this build cannot import is not used either
-            logger.debug("hybrid_alloc: %s not hooked (%s)", ".".join(filter(None, key)), e)
+            logger.warning(
+                "hybrid_alloc: %s not hooked (%s); per-group pools are right with it only "
+                "if this process never runs it",
+                ".".join(filter(None, key)),
+                e,
+            )
             continue
         stock = vars(target).get(attr)
         if stock is None or hasattr(stock, _WRAPS):
