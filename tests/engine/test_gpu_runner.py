@@ -68,20 +68,34 @@ def no_hooks() -> None:
     assert not worker.gpu_runner_hooks_installed()
 
 
-def engine(mode: str, specs: dict[str, Any], memory: int = 4 << 20) -> PerGroupKVCacheConfig:
-    """The engine core's config for these layer specs (``engine_sizing``)."""
+def engine(
+    mode: str, specs: dict[str, Any], memory: int = 4 << 20, layout: str = "LBHNC"
+) -> PerGroupKVCacheConfig:
+    """The engine core's config for these layer specs (``engine_sizing``), laid out for
+    the workers' KV-cache ``layout``."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from hybrid_alloc.integration import engine_sizing as sizing
 
     cfg = small_engine_config(mode, caching=mode == "align")
+    cfg.cache_config.get_resolved_kv_cache_layout = lambda: KVCacheLayout[layout]
     groups = sizing.build_groups(specs)
     config = sizing.build_config(cfg, groups, sizing.size_groups(cfg, groups, memory))
     assert isinstance(config, PerGroupKVCacheConfig) and config.zero_new_blocks
     return config
 
 
-def three_pools(mode: str = "align") -> PerGroupKVCacheConfig:
-    """Mamba + full attention + sliding window: three pools of three sizes."""
-    return engine(mode, {"l.0": small_mamba(mode), "l.1": attention(), "l.2": attention(window=64)})
+def three_pools(
+    mode: str = "align", layout: str = "LBHNC", layers: int = 1
+) -> PerGroupKVCacheConfig:
+    """Mamba + full attention + sliding window (``layers`` layers each): three pools of
+    three sizes."""
+    specs = {}
+    for i in range(layers):
+        specs.update(
+            {f"m.{i}": small_mamba(mode), f"f.{i}": attention(), f"w.{i}": attention(window=64)}
+        )
+    return engine(mode, specs, layout=layout)
 
 
 def gid_of(config: PerGroupKVCacheConfig, kind: type, window: bool | None = None) -> int:
@@ -220,12 +234,12 @@ class CpuZeroKernel:
                 ctypes.memset(start, 0, 4 * page)
 
 
-def kv_caches(config: PerGroupKVCacheConfig) -> dict[str, torch.Tensor]:
+def kv_caches(config: PerGroupKVCacheConfig, layout: str = "LBHNC") -> dict[str, torch.Tensor]:
     """vLLM's worker allocation for the config (CPU), every element 1."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    layout = small_engine_config().cache_config.get_resolved_kv_cache_layout()
-    caches = allocate_kv_cache(config, CPU, layout)
+    caches = allocate_kv_cache(config, CPU, KVCacheLayout[layout])
     for cache in caches.values():
         cache.fill_(1)
     return caches
@@ -331,16 +345,26 @@ def assert_zeroed_exactly(
             assert torch.equal(zeros, ~want), name
 
 
-@pytest.mark.parametrize("runner_kind", ["v2", "v1"])
+@pytest.mark.parametrize(
+    ("runner_kind", "layout", "layers"),
+    [
+        ("v2", "LBHNC", 1),
+        ("v1", "LBHNC", 1),
+        ("v2", "BHLNC", 2),
+        ("v2", "LHBNC", 2),
+        ("v1", "BLNHC", 2),
+    ],
+)
 def test_gpu_runner_zeroes_each_groups_new_blocks(
-    runner_kind: str, hooks: None, cpu_kernel: Any
+    runner_kind: str, layout: str, layers: int, hooks: None, cpu_kernel: Any
 ) -> None:
     """The scheduler's tagged list, through the runner's zeroer: exactly each attention
-    group's new blocks are zeroed, in that group's layers only; Mamba state is untouched."""
-    config = three_pools()
+    group's new blocks are zeroed, in that group's layers only (every layer of the group,
+    whatever the KV-cache layout puts outside the block); Mamba state is untouched."""
+    config = three_pools(layout=layout, layers=layers)
     mgr, allocated, _ = new_attention_blocks(config)
     tagged = mgr.take_new_block_ids()
-    caches = kv_caches(config)
+    caches = kv_caches(config, layout)
     cpu_kernel(caches)
     zero_with_runner(runner_kind, config, caches, tagged)
     mamba, full, window = kinds(config)
