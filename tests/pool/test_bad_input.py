@@ -508,14 +508,12 @@ def test_wrong_values_are_refused_by_the_pool(case: tuple[str, Any, Any]) -> Non
     world.b.check_invariants()
 
 
-# ----------------------------------------------------- regressions (Rust pool, xfail)
+# ---------------------------------------------------------------------- regressions
 # Found by the wrong-values fuzzer with values past the ranges it draws from above: each
-# gets an exception type the README does not document for bad input. The Rust pool and
-# its binding belong to another engineer: these stay xfail(strict) until fixed there.
-UNDOCUMENTED = "undocumented exception type for bad input (README: Bad input)"
+# got an exception type the README does not document for bad input (OverflowError from
+# argument conversion, TypeError 'expected ints, got int', vLLM's AssertionError).
 
 
-@pytest.mark.xfail(strict=True, reason=f"{UNDOCUMENTED}: OverflowError from the binding")
 def test_regression_get_new_blocks_past_a_c_long_is_a_value_error() -> None:
     """``get_new_blocks(2**63)``: more blocks than free, like any other count (README:
     ValueError); the binding raises OverflowError before the pool sees it."""
@@ -523,7 +521,6 @@ def test_regression_get_new_blocks_past_a_c_long_is_a_value_error() -> None:
     assert_refused(pool, lambda: pool.get_new_blocks(2**63), ValueError, "pool-a")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{UNDOCUMENTED}: TypeError 'expected ints, got int'")
 def test_regression_evict_blocks_past_a_c_long_is_out_of_range() -> None:
     """``evict_blocks([2**63])``: an ID out of range (README: ValueError naming the
     block); the binding raises TypeError 'expected block IDs as ints, got int'."""
@@ -531,7 +528,6 @@ def test_regression_evict_blocks_past_a_c_long_is_out_of_range() -> None:
     assert_refused(pool, lambda: pool.evict_blocks([2**63]), ValueError, "pool-a", "out of range")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{UNDOCUMENTED}: OverflowError from the binding")
 def test_regression_block_table_index_past_a_c_long_is_an_index_error() -> None:
     """``pool.blocks[2**63]``: out-of-range indexing (README: IndexError, as a Python
     list gives); the binding raises OverflowError."""
@@ -539,7 +535,6 @@ def test_regression_block_table_index_past_a_c_long_is_an_index_error() -> None:
     assert_refused(pool, lambda: pool.blocks[2**63], IndexError)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{UNDOCUMENTED}: OverflowError from the binding")
 def test_regression_get_cached_prefix_negative_length_is_a_value_error() -> None:
     """``get_cached_prefix(hashes, [0], -1)``: a negative count (README: ValueError);
     the binding raises OverflowError."""
@@ -548,7 +543,6 @@ def test_regression_get_cached_prefix_negative_length_is_a_value_error() -> None
     assert_refused(pool, lambda: pool.get_cached_prefix(hashes, [0], -1), ValueError, "pool-a")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{UNDOCUMENTED}: OverflowError from the binding")
 def test_regression_negative_group_id_is_a_value_error() -> None:
     """A group ID out of range (-1) in ``get_cached_block`` and ``cache_full_blocks``
     (README: ValueError); the binding raises OverflowError. vLLM's stock pool raises
@@ -563,7 +557,6 @@ def test_regression_negative_group_id_is_a_value_error() -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason=f"{UNDOCUMENTED}: AssertionError from vLLM's helper")
 def test_regression_block_size_not_a_multiple_of_hash_block_size_is_a_value_error() -> None:
     """``cache_full_blocks`` with ``block_size=6`` on a pool hashing every 4 tokens:
     ``block_pool.py`` hands it to vLLM's ``resolve_block_hashes``, whose ``assert``

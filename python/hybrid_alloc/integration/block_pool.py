@@ -92,6 +92,7 @@ _PARAMS_032 = (
 )
 # vLLM 0.33 inserted num_hash_lookahead_tokens before medium.
 _PARAMS_033 = (*_PARAMS_032[:5], "num_hash_lookahead_tokens", "medium", "label")
+_MISSING = object()
 _DEFAULTS: dict[str, Any] = {
     "enable_kv_cache_events": False,
     "metrics_collector": None,
@@ -110,32 +111,30 @@ def _constructor_args(
     names = _PARAMS_033 if _LOOKAHEAD else _PARAMS_032
     if len(args) > len(names):
         raise TypeError(f"BlockPool() takes at most {len(names)} arguments ({len(args)} given)")
-    values = dict(zip(names, args, strict=False))
+    # Positional values, then the defaults (a list: vLLM builds one pool per group, and a
+    # dict per call cost more than the native constructor itself).
+    values = [*args, *(_DEFAULTS.get(n, _MISSING) for n in names[len(args) :])]
     for key, value in kwargs.items():
-        if key not in names:
-            raise TypeError(f"BlockPool() got an unexpected keyword argument {key!r}")
-        if key in values:
+        try:
+            i = names.index(key)
+        except ValueError:
+            raise TypeError(f"BlockPool() got an unexpected keyword argument {key!r}") from None
+        if i < len(args):
             raise TypeError(f"BlockPool() got multiple values for argument {key!r}")
-        values[key] = value
-    missing = [n for n in names[:3] if n not in values]
+        values[i] = value
+    missing = [n for n, v in zip(names[:3], values, strict=False) if v is _MISSING]
     if missing:
         raise TypeError(f"BlockPool() missing required arguments: {', '.join(missing)}")
-    full = {**_DEFAULTS, **values}
-    lookahead = full["num_hash_lookahead_tokens"]
+    if _LOOKAHEAD:
+        blocks, caching, hash_size, events, collector, lookahead, medium, label = values
+    else:
+        blocks, caching, hash_size, events, collector, medium, label = values
+        lookahead = 0
     if not isinstance(lookahead, int) or lookahead < 0:
         raise ValueError(
             f"BlockPool: num_hash_lookahead_tokens must be an int >= 0, got {lookahead!r}"
         )
-    return (
-        full["num_gpu_blocks"],
-        full["enable_caching"],
-        full["hash_block_size"],
-        bool(full["enable_kv_cache_events"]),
-        full["metrics_collector"],
-        lookahead,
-        full["medium"],
-        full["label"],
-    )
+    return (blocks, caching, hash_size, bool(events), collector, lookahead, medium, label)
 
 
 class BlockPool(NativeBlockPool):
@@ -148,22 +147,24 @@ class BlockPool(NativeBlockPool):
     """
 
     num_hash_lookahead_tokens: int
+    _parsed_args: tuple[Any, Any, Any, bool, Any, int, str, str | None]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> BlockPool:
         # The native constructor takes the arguments that shape the pool; the rest of
         # vLLM's (whose positional order differs between releases) are read in __init__.
-        num_gpu_blocks, enable_caching, hash_block_size, events, _, _, _, label = _constructor_args(
-            args, kwargs
-        )
-        return super().__new__(  # type: ignore[no-any-return,call-arg]
+        parsed = _constructor_args(args, kwargs)
+        num_gpu_blocks, enable_caching, hash_block_size, events, _, _, _, label = parsed
+        pool: BlockPool = super().__new__(  # type: ignore[call-arg]
             cls, num_gpu_blocks, enable_caching, hash_block_size, events, label=label
         )
+        # Parsed once: __init__ gets the same arguments (a pool is built per KV-cache group).
+        pool._parsed_args = parsed
+        return pool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # The native __new__ has already validated the arguments and built the pool.
-        _, _, _, enable_kv_cache_events, collector, lookahead, medium, _ = _constructor_args(
-            args, kwargs
-        )
+        parsed = self.__dict__.pop("_parsed_args", None) or _constructor_args(args, kwargs)
+        _, _, _, enable_kv_cache_events, collector, lookahead, medium, _ = parsed
         self.metrics_collector = collector
         # A Python copy of the native value, read without a native call by the per-request
         # paths (each of which then makes one native call).
@@ -292,6 +293,14 @@ class BlockPool(NativeBlockPool):
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block
         hashes (null and masked-out blocks are skipped)."""
+        if block_size != self._hash_block_size and (
+            not isinstance(block_size, int) or block_size <= 0 or block_size % self._hash_block_size
+        ):
+            # vLLM's resolve_block_hashes would only assert this.
+            raise ValueError(
+                f"{self.label}: cache_full_blocks: block_size {block_size!r} is not a "
+                f"multiple of the pool's hash block size {self._hash_block_size}"
+            )
         hashes = resolve_block_hashes(request.block_hashes, self._hash_block_size, block_size)
         # The pool decides which blocks it caches; with events on it says which.
         kept = self._cache_full_blocks(

@@ -4,7 +4,7 @@
 use crate::caching::HashSource;
 use crate::error::{OpError, PoolError};
 use crate::group_pool::BlockId;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::iter::BoundListIterator;
 use pyo3::types::{PyBytes, PyIterator, PyList};
@@ -39,6 +39,34 @@ pub(crate) fn wrong_type(label: &str, op: &str, expected: &str, obj: &Bound<'_, 
         "{label}: {op}: expected {expected}, got {}",
         type_name(obj)
     ))
+}
+
+/// A Python int as an `i64`, saturated: an int past either end of `i64` becomes
+/// `i64::MIN` / `i64::MAX`, so that the core refuses it as it refuses any other count or
+/// ID out of range (a `ValueError` naming pool and block) instead of the binding raising
+/// `OverflowError`. Anything that is not an int is a `TypeError`, as before.
+pub(crate) fn saturating_int(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match obj.extract::<i64>() {
+        Ok(v) => Ok(v),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+            Ok(if obj.lt(0i64)? { i64::MIN } else { i64::MAX })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A KV-cache group ID: an int in `0..=u32::MAX`, else a `ValueError` naming the pool and
+/// operation (a `TypeError` if it is not an int).
+pub(crate) fn group_id(label: &str, op: &str, obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let v = saturating_int(obj).map_err(|_| wrong_type(label, op, "group IDs as ints", obj))?;
+    u32::try_from(v).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{label}: {op}: KV-cache group ID {} out of range",
+            obj.repr()
+                .map(|r| r.to_string())
+                .unwrap_or_else(|_| v.to_string())
+        ))
+    })
 }
 
 /// The items of a list or of any other iterable (vLLM passes lists, `reversed(...)`,

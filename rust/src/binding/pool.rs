@@ -7,8 +7,8 @@
 
 use super::block::{block_ref, handle_ref, Block, HandleTable, PoolToken};
 use super::convert::{
-    hash_bytes, items, op_error, pool_error, type_name, with_removed_sink, wrong_type, Indexed,
-    PyHashes, RemovedKeys,
+    group_id, hash_bytes, items, op_error, pool_error, saturating_int, type_name,
+    with_removed_sink, wrong_type, Indexed, PyHashes, RemovedKeys,
 };
 use super::views::{BlockTable, FreeQueueView};
 use crate::caching::{PartialEntry, Span};
@@ -17,7 +17,7 @@ use crate::group_pool::{BlockId, GroupPool};
 use crate::notices::{Notice, Steps};
 use crate::reuse::ReuseWatchers;
 use crate::routing::{self, BlockRef};
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
@@ -355,8 +355,9 @@ impl NativeBlockPool {
     /// hashes) and give each one reference.
     fn get_new_blocks<'py>(
         slf: &Bound<'py, Self>,
-        num_blocks: i64,
+        num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let num_blocks = saturating_int(num_blocks)?;
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
         let observed = this.observers.is_some();
@@ -470,7 +471,7 @@ impl NativeBlockPool {
         let this = &mut *guard;
         let mut hits = this.core.cached_block(block_hash);
         for group in items(kv_cache_group_ids)? {
-            if !hits.group(group?.extract::<u32>()?) {
+            if !hits.group(group_id(&this.label, "get_cached_block", &group?)?) {
                 break;
             }
         }
@@ -490,13 +491,23 @@ impl NativeBlockPool {
     fn get_cached_prefix<'py>(
         slf: &Bound<'py, Self>,
         block_hashes: &Bound<'py, PyAny>,
-        kv_cache_group_ids: Vec<u32>,
-        max_blocks: usize,
+        kv_cache_group_ids: &Bound<'py, PyAny>,
+        max_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        const OP: &str = "get_cached_prefix";
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
         let label = &this.label;
-        let hashes = items(block_hashes)?.map(|h| hash_bytes(label, "get_cached_prefix", h?));
+        let kv_cache_group_ids = items(kv_cache_group_ids)?
+            .map(|g| group_id(label, OP, &g?))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let max_blocks = saturating_int(max_blocks)?;
+        let max_blocks = usize::try_from(max_blocks).map_err(|_| {
+            PyValueError::new_err(format!(
+                "{label}: {OP}: max_blocks must be >= 0, got {max_blocks}"
+            ))
+        })?;
+        let hashes = items(block_hashes)?.map(|h| hash_bytes(label, OP, h?));
         let found = this
             .core
             .cached_prefix(hashes, &kv_cache_group_ids, max_blocks)?;
@@ -518,19 +529,13 @@ impl NativeBlockPool {
         slf: &Bound<'_, Self>,
         blocks: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        num_cached_blocks: i64,
-        num_full_blocks: i64,
-        block_size: i64,
-        kv_cache_group_id: u32,
+        num_cached_blocks: &Bound<'_, PyAny>,
+        num_full_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        kv_cache_group_id: &Bound<'_, PyAny>,
         block_mask: Option<Vec<bool>>,
     ) -> PyResult<Option<Vec<usize>>> {
         const OP: &str = "cache_full_blocks";
-        let span = Span {
-            num_cached: num_cached_blocks,
-            num_full: num_full_blocks,
-            block_size,
-            group_id: kv_cache_group_id,
-        };
         let (label, mut keys, events_on) = {
             let this = slf.try_borrow()?;
             (
@@ -538,6 +543,12 @@ impl NativeBlockPool {
                 this.removed_keys(),
                 this.enable_kv_cache_events,
             )
+        };
+        let span = Span {
+            num_cached: saturating_int(num_cached_blocks)?,
+            num_full: saturating_int(num_full_blocks)?,
+            block_size: saturating_int(block_size)?,
+            group_id: group_id(&label, OP, kv_cache_group_id)?,
         };
         let hashes = PyHashes {
             seq: Indexed::new(block_hashes),
@@ -716,7 +727,7 @@ impl NativeBlockPool {
             let mut out = Vec::with_capacity(ids.size_hint().0);
             for item in ids {
                 let item = item?;
-                out.push(item.extract::<i64>().map_err(|_| {
+                out.push(saturating_int(&item).map_err(|_| {
                     wrong_type(&this.label, "evict_blocks", "block IDs as ints", &item)
                 })?);
             }

@@ -2,6 +2,7 @@
 //! table (`pool.blocks`), the free queue (`pool.free_block_queue`) and its iterator.
 
 use super::block::Block;
+use super::convert::saturating_int;
 use super::pool::NativeBlockPool;
 use crate::free_queue::QueueCursor;
 use crate::group_pool::BlockId;
@@ -43,8 +44,13 @@ impl BlockTable {
             let list = NativeBlockPool::handle_list(pool, &ids)?;
             return Ok(list.into_any().unbind());
         }
-        let index: isize = index.extract()?;
-        let i = if index < 0 { index + n } else { index };
+        // Saturated: an index past isize is out of range like any other (IndexError).
+        let index = saturating_int(index)?.clamp(isize::MIN as i64, isize::MAX as i64) as isize;
+        let i = if index < 0 {
+            index.saturating_add(n)
+        } else {
+            index
+        };
         if i < 0 || i >= n {
             return Err(PyIndexError::new_err(format!(
                 "block index {index} out of range for a pool of {n} blocks"
