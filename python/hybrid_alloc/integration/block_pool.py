@@ -101,6 +101,12 @@ _DEFAULTS: dict[str, Any] = {
     "label": None,
 }
 
+# The defaults of the parameters after the first k positional arguments, for each k.
+_TAIL_DEFAULTS = tuple(
+    tuple(_DEFAULTS.get(n, _MISSING) for n in (_PARAMS_033 if _LOOKAHEAD else _PARAMS_032)[k:])
+    for k in range(len(_PARAMS_033 if _LOOKAHEAD else _PARAMS_032) + 1)
+)
+
 
 def _constructor_args(
     args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -113,7 +119,7 @@ def _constructor_args(
         raise TypeError(f"BlockPool() takes at most {len(names)} arguments ({len(args)} given)")
     # Positional values, then the defaults (a list: vLLM builds one pool per group, and a
     # dict per call cost more than the native constructor itself).
-    values = [*args, *(_DEFAULTS.get(n, _MISSING) for n in names[len(args) :])]
+    values = [*args, *_TAIL_DEFAULTS[len(args)]]
     for key, value in kwargs.items():
         try:
             i = names.index(key)
