@@ -272,9 +272,10 @@ def group_specs(specs: list[Any]) -> list[KVCacheGroupSpec]:
 
 
 @contextmanager
-def pool_class(cls: type) -> Iterator[None]:
-    """Build managers with ``cls``; ours comes with the plugin's batched prefix lookup."""
-    if cls is RustPool:
+def drop_in(installed: bool) -> Iterator[None]:
+    """The plugin's drop-in pool and batched prefix lookup installed (or vLLM left stock)
+    for the duration; uninstalled afterwards either way."""
+    if installed:
         integration.install(per_group_pools=False)
     else:
         integration.uninstall()
@@ -282,6 +283,11 @@ def pool_class(cls: type) -> Iterator[None]:
         yield
     finally:
         integration.uninstall()
+
+
+def pool_class(cls: type) -> Any:
+    """Build managers with ``cls``; ours comes with the plugin's batched prefix lookup."""
+    return drop_in(cls is RustPool)
 
 
 def build_manager(
@@ -310,11 +316,11 @@ def build_manager(
     return mgr
 
 
-def new_request(rid: str, tokens: list[int]) -> Request:
+def new_request(rid: str, tokens: list[int], max_tokens: int = 64) -> Request:
     return Request(
         request_id=rid,
         prompt_token_ids=list(tokens),
-        sampling_params=SamplingParams(max_tokens=64),
+        sampling_params=SamplingParams(max_tokens=max_tokens),
         pooling_params=None,
         block_hasher=HASHER,
     )

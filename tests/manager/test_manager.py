@@ -10,16 +10,15 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
-from vllm.sampling_params import SamplingParams
 from vllm.v1.core.block_pool import BlockPool as StockPool
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.integration import manager_patches
 from hybrid_alloc.integration.block_pool import BlockPool as RustPool
 from tests.helpers import (
-    HASHER,
     LAYOUTS,
     build_manager,
+    new_request,
     normalize_events,
     pool_class,
     rust_snapshot,
@@ -52,13 +51,7 @@ class Driver:
         self.log: list[Any] = []
 
     def admit(self, rid: str, tokens: list[int], max_tokens: int) -> bool:
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=max_tokens),
-            pooling_params=None,
-            block_hasher=HASHER,
-        )
+        req = new_request(rid, tokens, max_tokens)
         blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
         new = self.mgr.allocate_slots(
             req,

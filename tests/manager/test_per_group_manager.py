@@ -19,7 +19,6 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
-from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -33,12 +32,13 @@ from hybrid_alloc.integration import coordinator as pg_coordinator
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
 from tests.helpers import (
-    HASHER,
     PER_GROUP_LAYOUTS,
     check_our_pool,
+    drop_in,
     genuine_stock_manager,
     group_specs,
     layout_manager,
+    new_request,
     per_group_caching,
     per_group_manager,
     stock_config,
@@ -84,25 +84,11 @@ class Driver:
         self.running: dict[str, Request] = {}
         self.log: list[Any] = []
 
-    @contextmanager
-    def calls(self) -> Iterator[None]:
-        if self.ours:
-            integration.install(per_group_pools=False)
-        else:
-            integration.uninstall()
-        try:
-            yield
-        finally:
-            integration.uninstall()
+    def calls(self) -> Any:
+        return drop_in(self.ours)
 
     def admit(self, rid: str, tokens: list[int], max_tokens: int) -> bool:
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=max_tokens),
-            pooling_params=None,
-            block_hasher=HASHER,
-        )
+        req = new_request(rid, tokens, max_tokens)
         with self.calls():
             blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
             new = self.mgr.allocate_slots(

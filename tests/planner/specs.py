@@ -262,18 +262,10 @@ def attention(window: int | None = None, head_size: int = 64) -> Any:
 
 
 def small_mamba(mode: str) -> Any:
-    """A small Mamba spec as vLLM builds it for a hybrid model: 'none'-mode blocks hold one
-    request's whole state (block size = max_model_len), 'align'-mode blocks are as long as
-    attention blocks."""
-    import torch
-    from vllm.v1.kv_cache_interface import MambaSpec
+    """A small Mamba spec as vLLM builds it for a hybrid model (the manager tests' own)."""
+    from tests.helpers import state_mamba
 
-    return MambaSpec(
-        block_size=BLOCK if mode == "align" else MAX_LEN,
-        shapes=((4, 64), (8, 16, 16)),
-        dtypes=(torch.bfloat16, torch.bfloat16),
-        mamba_cache_mode=mode,
-    )
+    return state_mamba(mode)
 
 
 def small_engine_config(
