@@ -224,6 +224,14 @@ HASHER = get_request_block_hasher(BLOCK, sha256)
 """Hashes every BLOCK tokens: ``hash_block_size`` of every manager built here."""
 
 
+def kv_connector(name: str = "NixlConnector", **extra: Any) -> Any:
+    """A ``kv_transfer_config`` naming connector ``name`` with ``extra`` as its
+    ``kv_connector_extra_config`` (what the sizing checks read of it)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_connector=name, kv_connector_extra_config=dict(extra))
+
+
 def attn(window: int | None = None) -> Any:
     common = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
     if window is None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import fake_vllm_config
+from tests.helpers import fake_vllm_config, kv_connector
 
 
 def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,7 +24,7 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
     try:
         Platform._align_hybrid_block_size(cfg, None)
         assert calls == []
-        cfg.kv_transfer_config = object()
+        cfg.kv_transfer_config = kv_connector()
         Platform._align_hybrid_block_size(cfg, None)
         assert calls == [cfg]
     finally:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from tests.helpers import kv_connector
 from tests.planner.specs import BLOCK, MAX_LEN, attention, small_engine_config, small_mamba
 
 
@@ -169,8 +170,19 @@ def test_unsupported_engines_fall_back() -> None:
     assert sizing.unsupported_reason(cfg, [specs, {"l.3": attention()}]) is None
     other = {"l.3": attention(head_size=128)}
     assert "different specs" in (sizing.unsupported_reason(cfg, [specs, other]) or "")
-    cfg.kv_transfer_config = object()
-    assert "connectors" in (sizing.config_unsupported_reason(cfg) or "")
+    cfg.kv_transfer_config = kv_connector()
+    assert "'NixlConnector'" in (sizing.config_unsupported_reason(cfg) or "")
+    # VLLM_USE_SIMPLE_KV_OFFLOAD=1: --kv-offloading-size picks this one; refused by name.
+    cfg.kv_transfer_config = kv_connector("SimpleCPUOffloadConnector", cpu_bytes_to_use=1 << 30)
+    assert "'SimpleCPUOffloadConnector'" in (sizing.config_unsupported_reason(cfg) or "")
+    # --kv-offloading-size with vLLM's native backend: served per group (hybrid_alloc's
+    # offload hooks); its other tiers and the canonical host layout are refused by name.
+    cfg.kv_transfer_config = kv_connector("OffloadingConnector", cpu_bytes_to_use=1 << 30)
+    assert sizing.config_unsupported_reason(cfg) is None
+    cfg.kv_transfer_config = kv_connector("OffloadingConnector", spec_name="TieringOffloadingSpec")
+    assert "'TieringOffloadingSpec'" in (sizing.config_unsupported_reason(cfg) or "")
+    cfg.kv_transfer_config = kv_connector("OffloadingConnector", canonical_layout=True)
+    assert "canonical_layout" in (sizing.config_unsupported_reason(cfg) or "")
 
 
 def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,7 +235,7 @@ def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     with pytest.raises(RuntimeError, match="HYBRID_ALLOC_PER_GROUP_POOLS=0"):
         sizing.get_kv_cache_configs(cfg, [natural], [8 << 20])
-    cfg.kv_transfer_config = object()  # the workers padded: vLLM sizes it
+    cfg.kv_transfer_config = kv_connector()  # the workers padded: vLLM sizes it
     sizing.get_kv_cache_configs(cfg, [padded], [8 << 20])
     assert len(calls) == 2
 

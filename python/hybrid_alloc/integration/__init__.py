@@ -9,7 +9,8 @@
   group in the scheduler;
 * :mod:`.engine_sizing`: the engine core's per-group sizing (built on
   :mod:`hybrid_alloc.integration.engine_sizing`);
-* :mod:`.worker`: workers keep natural page sizes.
+* :mod:`.worker`: workers keep natural page sizes;
+* :mod:`.offload`: vLLM's native KV offloading with per-group pools, and on CPU platforms.
 
 Each hooking module has ``install()``, ``uninstall()`` and ``is_installed()``; this package
 composes them. Nothing here is imported before the plugin has checked the vLLM version.
@@ -35,10 +36,11 @@ def install(per_group_pools: bool = True) -> None:
     if _state == wanted:
         return
     uninstall()
-    from hybrid_alloc.integration import block_pool, manager_patches
+    from hybrid_alloc.integration import block_pool, manager_patches, offload
 
     block_pool.install()
     manager_patches.install()
+    offload.install()
     if per_group_pools:
         from hybrid_alloc.integration import coordinator, engine_sizing, worker
 
@@ -53,7 +55,7 @@ def uninstall() -> None:
     global _state
     if _state is None:
         return
-    from hybrid_alloc.integration import block_pool, manager_patches
+    from hybrid_alloc.integration import block_pool, manager_patches, offload
 
     if _state[1]:
         from hybrid_alloc.integration import coordinator, engine_sizing, worker
@@ -61,6 +63,7 @@ def uninstall() -> None:
         coordinator.uninstall()
         engine_sizing.uninstall()
         worker.uninstall()
+    offload.uninstall()
     manager_patches.uninstall()
     block_pool.uninstall()
     _state = None

@@ -83,8 +83,9 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
         return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
     if cache.enable_prefix_caching and cache.prefix_match_unit is not None:
         return "prefix_match_unit (sub-block prefix hits copy Mamba blocks by bare ID)"
-    if vllm_config.kv_transfer_config is not None:
-        return "KV connectors address blocks by IDs unique across groups"
+    connector_reason = kv_connector_unsupported_reason(vllm_config.kv_transfer_config)
+    if connector_reason is not None:
+        return connector_reason
     if vllm_config.attention_config.hisparse_config is not None:
         return "HiSparse host pools"
     parallel = vllm_config.parallel_config
@@ -102,6 +103,26 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
             "Mamba 'align' mode under vLLM's V2 GPU model runner (VLLM_USE_V2_MODEL_RUNNER=0 "
             "selects the V1 runner, which per-group pools support)"
         )
+    return None
+
+
+def kv_connector_unsupported_reason(kv_transfer_config: Any) -> str | None:
+    """Why per-group pools cannot serve the engine's KV connector (None: no connector, or
+    vLLM's native offloading, ``--kv-offloading-size``, which :mod:`.offload` adapts)."""
+    if kv_transfer_config is None:
+        return None
+    name = kv_transfer_config.kv_connector
+    if name != "OffloadingConnector":
+        return (
+            f"KV connector {name!r} addresses blocks by IDs unique across groups (per-group "
+            "pools serve vLLM's native OffloadingConnector, --kv-offloading-size, only)"
+        )
+    extra = kv_transfer_config.kv_connector_extra_config or {}
+    spec_name = extra.get("spec_name", "CPUOffloadingSpec")
+    if spec_name != "CPUOffloadingSpec":
+        return f"offloading spec {spec_name!r} (per-group pools serve the CPU tier only)"
+    if extra.get("canonical_layout"):
+        return "the offloading connector's canonical_layout"
     return None
 
 

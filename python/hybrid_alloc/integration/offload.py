@@ -1,0 +1,323 @@
+"""vLLM's native KV offloading (``--kv-offloading-size``) with per-group pools, and a host
+copy path that lets it run on CPU platforms.
+
+vLLM's ``OffloadingConnector`` keys offloaded blocks by (group, hash) and sends the worker
+each group's block IDs separately (``GPULoadStoreSpec.group_sizes``), so pool-scoped IDs
+reach the worker intact. Three places assume one shared pool or a GPU; the hooks here
+replace them, each acting only where the assumption breaks:
+
+* **offload sizing** (``build_offloading_config``): bytes per offloaded block are taken as
+  the first KV tensor's size over ``kv_cache_config.num_blocks``. With per-group pools
+  every tensor spans the whole backing allocation and ``num_blocks`` is the primary
+  pool's, so that figure mixes groups. A block of group ``g`` is stored in the rows of
+  ``g``'s layers; the host buffers hold one row per layer, so a host chunk costs the sum of
+  every offloaded layer's page (:func:`per_group_bytes_per_block`);
+* **the worker's view of the KV cache** (``OffloadingConnectorWorker.register_kv_caches``):
+  vLLM views every layer with the one ``num_blocks``; here each layer is viewed with its own
+  group's pool size and block stride (:func:`per_group_canonical_caches`);
+* **the transfer path** (``CPUOffloadingSpec.get_worker``): vLLM's handler copies with CUDA
+  streams and refuses other platforms. On a platform that is neither CUDA-like nor XPU the
+  spec gets :class:`HostCopyOffloadingWorker`, which copies rows with plain tensor indexing.
+  On CUDA vLLM's own handler runs, fed with the per-group views above.
+
+Everything else of the connector (its scheduler side, the offload index, eviction, the
+metrics) is vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from hybrid_alloc.integration import versions
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+
+logger = init_logger("vllm.hybrid_alloc")
+
+_CONFIG_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config"
+_CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
+_CPU_SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
+
+
+def _offloaded_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    config = importlib.import_module(_CONFIG_MODULE)
+    return tuple(config.get_offloading_group_ids(kv_cache_config))
+
+
+def real_page_bytes(spec: Any) -> int:
+    """Bytes of one block's data in one layer, without the padding vLLM may add to a page
+    (attention: ``unpadded_page_size_bytes``; Mamba: the page without ``page_size_padded``)."""
+    unpadded = getattr(spec, "unpadded_page_size_bytes", None)
+    if unpadded is not None:
+        return int(unpadded)
+    if getattr(spec, "page_size_padded", None) is not None:
+        return int(replace(spec, page_size_padded=None).page_size_bytes)
+    return int(spec.page_size_bytes)
+
+
+def _layer_specs(group: Any) -> dict[str, Any]:
+    per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    return {name: (per_layer or {}).get(name, group.kv_cache_spec) for name in group.layer_names}
+
+
+def per_group_bytes_per_block(kv_cache_config: PerGroupKVCacheConfig) -> int:
+    """Host bytes one offloaded chunk of one block costs a worker: one page in every
+    offloaded layer (the host buffers keep one row per layer, whatever group the chunk
+    belongs to)."""
+    total = 0
+    for gid in _offloaded_group_ids(kv_cache_config):
+        group = kv_cache_config.kv_cache_groups[gid]
+        total += sum(spec.page_size_bytes for spec in _layer_specs(group).values())
+    return total
+
+
+def _per_group_build_offloading_config(stock: Callable[..., Any]) -> Callable[..., Any]:
+    def build_offloading_config(vllm_config: Any, kv_cache_config: Any) -> Any:
+        config = stock(vllm_config, kv_cache_config)
+        if not isinstance(kv_cache_config, PerGroupKVCacheConfig) or not (
+            config.worker_kv_bytes_per_block
+        ):
+            return config
+        return replace(config, worker_kv_bytes_per_block=per_group_bytes_per_block(kv_cache_config))
+
+    return build_offloading_config
+
+
+def _block_rows(cache: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
+    """``cache`` (one layer's KV view, any dtype, blocks first, possibly split into kernel
+    blocks) as int8 rows: ``(num_blocks, page_bytes)`` with the view's own block stride."""
+    if cache.shape[0] != num_blocks:
+        if cache.shape[0] % num_blocks:
+            raise RuntimeError(
+                f"KV view of {cache.shape[0]} blocks cannot hold the pool's {num_blocks}"
+            )
+        cache = cache.unflatten(0, (num_blocks, -1))
+    elem = cache.element_size()
+    stride = cache.stride(0) * elem
+    if stride < page_bytes:
+        raise RuntimeError(f"KV view's block stride {stride} B is below its page {page_bytes} B")
+    return torch.empty(0, dtype=torch.int8, device=cache.device).set_(
+        cache.untyped_storage(),
+        cache.storage_offset() * elem,
+        (num_blocks, page_bytes),
+        (stride, 1),
+    )
+
+
+def per_group_canonical_caches(
+    kv_cache_config: PerGroupKVCacheConfig, kv_caches: dict[str, Any]
+) -> Any:
+    """vLLM's ``CanonicalKVCaches`` for per-group pools: one int8 row view per offloaded
+    layer, sized by that layer's own pool, and per offloaded group the refs of its layers
+    (each ref copies the layer's real page bytes, padding left out)."""
+    base = importlib.import_module("vllm.v1.kv_offload.base")
+    tensors: list[Any] = []
+    group_refs: list[list[Any]] = []
+    for gid in _offloaded_group_ids(kv_cache_config):
+        group = kv_cache_config.kv_cache_groups[gid]
+        num_blocks = kv_cache_config.layout_of_group(gid).num_blocks
+        refs = []
+        for name, spec in _layer_specs(group).items():
+            rows = _block_rows(kv_caches[name], num_blocks, spec.page_size_bytes)
+            tensors.append(base.CanonicalKVCacheTensor(tensor=rows, page_size_bytes=rows.shape[1]))
+            refs.append(
+                base.CanonicalKVCacheRef(
+                    tensor_idx=len(tensors) - 1, page_size_bytes=real_page_bytes(spec)
+                )
+            )
+        group_refs.append(refs)
+    return base.CanonicalKVCaches(tensors=tensors, group_data_refs=group_refs)
+
+
+def _per_group_register_kv_caches(stock: Callable[..., None]) -> Callable[..., None]:
+    def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
+        config = self.kv_cache_config
+        if not isinstance(config, PerGroupKVCacheConfig):
+            stock(self, kv_caches)
+            return
+        if self.spec.config.canonical_layout:
+            raise RuntimeError(
+                "per-group KV-cache pools: the offloading connector's canonical_layout is "
+                "not supported; leave it off or set HYBRID_ALLOC_PER_GROUP_POOLS=0"
+            )
+        self._init_worker(per_group_canonical_caches(config, kv_caches))
+
+    return register_kv_caches
+
+
+class HostCopyOffloadingWorker:
+    """Moves blocks between the KV cache and host buffers with plain tensor copies.
+
+    vLLM's CPU-tier transfer handler needs CUDA streams; on CPU platforms the KV cache is
+    host memory already, so a copy is a row gather. Transfers run to completion when they
+    are submitted (the connector submits stores at the start of the step after the one that
+    wrote the blocks, and loads before the forward pass that reads them), and are reported
+    finished at the next :meth:`get_finished`.
+
+    Host layout, as vLLM's handler lays it out so the scheduler-side sizing agrees: one
+    buffer per KV row view, ``(num_chunks * blocks_per_chunk, page)``; chunk ``c`` holds
+    rows ``c * blocks_per_chunk ...``; a group's blocks use the buffers of that group's
+    layers only.
+    """
+
+    def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int) -> None:
+        if blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk must be positive, got {blocks_per_chunk}")
+        self._tensors = [t.tensor for t in kv_caches.tensors]
+        self._refs: list[list[tuple[int, int]]] = [
+            [(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
+            for refs in kv_caches.group_data_refs
+        ]
+        self._blocks_per_chunk = blocks_per_chunk
+        self._host = [
+            torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8)
+            for t in self._tensors
+        ]
+        self._done: list[Any] = []
+        logger.info(
+            "hybrid_alloc: KV offloading by host copies: %d buffers of %d chunks, %.1f MiB",
+            len(self._host),
+            num_chunks,
+            sum(h.numel() for h in self._host) / 2**20,
+        )
+
+    def _host_rows(self, chunk_ids: np.ndarray, first_block: int, count: int) -> torch.Tensor:
+        """Host rows of ``count`` consecutive blocks of a request starting at its block
+        ``first_block``, stored in ``chunk_ids`` (the first chunk may be entered midway)."""
+        bpc = self._blocks_per_chunk
+        logical = np.arange(count, dtype=np.int64) + first_block % bpc
+        rows = chunk_ids.astype(np.int64)[logical // bpc] * bpc + logical % bpc
+        return torch.from_numpy(rows)
+
+    def _transfer(self, job_id: int, device_spec: Any, chunk_ids: np.ndarray, store: bool) -> bool:
+        start = time.perf_counter()
+        bpc = self._blocks_per_chunk
+        sizes: Sequence[int] = device_spec.group_sizes
+        if len(sizes) != len(self._refs):
+            raise RuntimeError(
+                f"offload job {job_id}: {len(sizes)} groups of block IDs for "
+                f"{len(self._refs)} offloaded groups"
+            )
+        moved = 0
+        block_pos = chunk_pos = 0
+        for refs, size, first in zip(self._refs, sizes, device_spec.block_indices, strict=True):
+            if size == 0:
+                continue
+            num_chunks = -(-(size + first % bpc) // bpc)
+            blocks = torch.from_numpy(
+                device_spec.block_ids[block_pos : block_pos + size].astype(np.int64)
+            )
+            rows = self._host_rows(chunk_ids[chunk_pos : chunk_pos + num_chunks], first, size)
+            for tensor_idx, page in refs:
+                device, host = self._tensors[tensor_idx], self._host[tensor_idx]
+                if store:
+                    host[rows, :page] = device[blocks, :page]
+                else:
+                    device[blocks, :page] = host[rows, :page]
+                moved += size * page
+            block_pos += size
+            chunk_pos += num_chunks
+        if block_pos != len(device_spec.block_ids) or chunk_pos != len(chunk_ids):
+            raise RuntimeError(
+                f"offload job {job_id}: {len(device_spec.block_ids)} block IDs and "
+                f"{len(chunk_ids)} chunks do not match the group sizes {list(sizes)}"
+            )
+        base = importlib.import_module("vllm.v1.kv_offload.base")
+        self._done.append(
+            base.TransferResult(
+                job_id=job_id,
+                success=True,
+                transfer_size=moved,
+                transfer_time=time.perf_counter() - start,
+            )
+        )
+        return True
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._transfer(job_id, src_spec, np.asarray(dst_spec.block_ids), store=True)
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._transfer(job_id, dst_spec, np.asarray(src_spec.block_ids), store=False)
+
+    def get_finished(self) -> list[Any]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Nothing to wait for: every transfer completed when it was submitted."""
+
+    def shutdown(self) -> None:
+        self._host = []
+
+
+def _host_copy_get_worker(stock: Callable[..., Any]) -> Callable[..., Any]:
+    def get_worker(self: Any, kv_caches: Any) -> Any:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike() or current_platform.is_xpu():
+            return stock(self, kv_caches)
+        if getattr(self, "_worker", None) is None:
+            self._worker = HostCopyOffloadingWorker(
+                kv_caches, self.blocks_per_chunk, self.num_chunks
+            )
+        return self._worker
+
+    return get_worker
+
+
+# (module, class or None, attribute, wrapper factory)
+_HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
+    (_CONNECTOR_MODULE, None, "build_offloading_config", _per_group_build_offloading_config),
+    (
+        _WORKER_MODULE,
+        "OffloadingConnectorWorker",
+        "register_kv_caches",
+        _per_group_register_kv_caches,
+    ),
+    (_CPU_SPEC_MODULE, "CPUOffloadingSpec", "get_worker", _host_copy_get_worker),
+)
+_stock: dict[tuple[str, str | None, str], Any] = {}
+
+
+def _target(module_name: str, owner: str | None) -> Any:
+    module = importlib.import_module(module_name)
+    return module if owner is None else getattr(module, owner)
+
+
+def install() -> None:
+    """Wrap the functions in ``_HOOKS`` (idempotent). A module this vLLM build cannot import
+    is left alone (the connector cannot run there either)."""
+    if not versions.is_supported(versions.installed_version()):
+        return
+    for module_name, owner, attr, wrap in _HOOKS:
+        key = (module_name, owner, attr)
+        if key in _stock:
+            continue
+        try:
+            target = _target(module_name, owner)
+        except Exception as e:
+            logger.debug("hybrid_alloc: %s not hooked (%s)", ".".join(filter(None, key)), e)
+            continue
+        stock = vars(target).get(attr)
+        if stock is None:
+            continue
+        _stock[key] = stock
+        setattr(target, attr, wrap(stock))
+
+
+def uninstall() -> None:
+    for (module_name, owner, attr), stock in list(_stock.items()):
+        setattr(_target(module_name, owner), attr, stock)
+        del _stock[(module_name, owner, attr)]
+
+
+def is_installed() -> bool:
+    return bool(_stock)
