@@ -517,6 +517,7 @@ def per_group_manager(
 TIMEOUT_S = 400
 STOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 POOL_SET = "hybrid_alloc.integration.pool_set.PoolSet"
+RUST_POOL = "hybrid_alloc.integration.block_pool.BlockPool"
 
 
 def run_engines(
