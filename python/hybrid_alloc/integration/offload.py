@@ -20,6 +20,22 @@ replace them, each acting only where the assumption breaks:
   spec gets :class:`HostCopyOffloadingWorker`, which copies rows with plain tensor indexing.
   On CUDA vLLM's own handler runs, fed with the per-group views above.
 
+**Failed loads.** vLLM's connector asserts that every transfer succeeds, and vLLM's scheduler
+can map block-level load errors back to requests only with one KV-cache group. Here a load
+that fails (in any group) fails its whole request instead, through vLLM's request-level
+path (``failed_recving``), which is right for any number of groups: the worker-side
+connector reports the request as received-with-failure (:func:`_failure_aware_get_finished`,
+:func:`_with_failed_receives`); vLLM's scheduler then, under ``kv_load_failure_policy=
+"recompute"``, frees the request's blocks (none of them was cached: a block is cached only
+after its load succeeded) and computes the request again, or under ``"fail"`` (vLLM's default)
+ends it with an error; the scheduler keeps serving the others either way. The
+scheduler-side connector drops the failed load's entries from the offload index
+(:func:`_dropping_failed_loads`), so no later request loads them again.
+``kv_connector_extra_config["hybrid_alloc_inject_load_failures"]`` (a test aid) makes the
+host-copy worker fail loads on purpose: ``{"groups": [KV-cache group IDs], "count": N}``
+fails the first N loads that carry blocks of those groups, after writing half of each such
+group's blocks (a torn write, as a real failure could leave).
+
 Everything else of the connector (its scheduler side, the offload index, eviction, the
 metrics) is vLLM's, unchanged.
 """
@@ -45,6 +61,7 @@ _CONFIG_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config
 _CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
 _WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
 _CPU_SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
+_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 
 
 def _offloaded_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
@@ -153,6 +170,40 @@ def _per_group_register_kv_caches(stock: Callable[..., None]) -> Callable[..., N
     return register_kv_caches
 
 
+INJECT_KEY = "hybrid_alloc_inject_load_failures"
+
+
+class LoadFailures:
+    """Loads to fail on purpose (``kv_connector_extra_config[INJECT_KEY]``): the first
+    ``count`` loads that carry blocks of any of ``positions`` (offloaded-group positions)."""
+
+    def __init__(self, positions: set[int], count: int) -> None:
+        self.positions = positions
+        self.remaining = count
+
+    @classmethod
+    def from_extra_config(cls, spec_config: Any) -> LoadFailures | None:
+        raw = spec_config.extra_config.get(INJECT_KEY)
+        if not raw:
+            return None
+        offloaded = [g.group_id for g in spec_config.groups]
+        unknown = set(raw.get("groups", ())) - set(offloaded)
+        if unknown:
+            raise ValueError(
+                f"{INJECT_KEY}: groups {sorted(unknown)} are not offloaded (offloaded KV-cache "
+                f"groups: {offloaded})"
+            )
+        positions = {offloaded.index(g) for g in raw.get("groups", ())}
+        return cls(positions, int(raw.get("count", 1)))
+
+    def take(self, positions: Any) -> bool:
+        """Whether a load carrying blocks at ``positions`` fails (and counts it)."""
+        if self.remaining <= 0 or not self.positions.intersection(positions):
+            return False
+        self.remaining -= 1
+        return True
+
+
 class HostCopyOffloadingWorker:
     """Moves blocks between the KV cache and host buffers with plain tensor copies.
 
@@ -168,9 +219,16 @@ class HostCopyOffloadingWorker:
     layers only.
     """
 
-    def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int) -> None:
+    def __init__(
+        self,
+        kv_caches: Any,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        fail_loads: LoadFailures | None = None,
+    ) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be positive, got {blocks_per_chunk}")
+        self._fail_loads = fail_loads
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._refs: list[list[tuple[int, int]]] = [
             [(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
@@ -201,14 +259,32 @@ class HostCopyOffloadingWorker:
         start = time.perf_counter()
         bpc = self._blocks_per_chunk
         sizes: Sequence[int] = device_spec.group_sizes
-        if len(sizes) != len(self._refs):
+        if not len(sizes) == len(device_spec.block_indices) == len(self._refs):
             raise RuntimeError(
                 f"offload job {job_id}: {len(sizes)} groups of block IDs for "
                 f"{len(self._refs)} offloaded groups"
             )
+        num_chunks_needed = sum(
+            -(-(n + first % bpc) // bpc)
+            for n, first in zip(sizes, device_spec.block_indices, strict=True)
+            if n
+        )
+        if sum(sizes) != len(device_spec.block_ids) or num_chunks_needed != len(chunk_ids):
+            # Checked before any copy: a refused job leaves both sides as they were.
+            raise RuntimeError(
+                f"offload job {job_id}: {len(device_spec.block_ids)} block IDs and "
+                f"{len(chunk_ids)} chunks do not match the group sizes {list(sizes)}"
+            )
+        failing = (
+            not store
+            and self._fail_loads is not None
+            and self._fail_loads.take(i for i, n in enumerate(sizes) if n)
+        )
         moved = 0
         block_pos = chunk_pos = 0
-        for refs, size, first in zip(self._refs, sizes, device_spec.block_indices, strict=True):
+        for position, (refs, size, first) in enumerate(
+            zip(self._refs, sizes, device_spec.block_indices, strict=True)
+        ):
             if size == 0:
                 continue
             num_chunks = -(-(size + first % bpc) // bpc)
@@ -216,27 +292,27 @@ class HostCopyOffloadingWorker:
                 device_spec.block_ids[block_pos : block_pos + size].astype(np.int64)
             )
             rows = self._host_rows(chunk_ids[chunk_pos : chunk_pos + num_chunks], first, size)
+            block_pos += size
+            chunk_pos += num_chunks
+            if failing and self._fail_loads is not None and position in self._fail_loads.positions:
+                # A torn write: the first half of the group's blocks only.
+                blocks, rows = blocks[: size // 2], rows[: size // 2]
             for tensor_idx, page in refs:
                 device, host = self._tensors[tensor_idx], self._host[tensor_idx]
                 if store:
                     host[rows, :page] = device[blocks, :page]
                 else:
                     device[blocks, :page] = host[rows, :page]
-                moved += size * page
-            block_pos += size
-            chunk_pos += num_chunks
-        if block_pos != len(device_spec.block_ids) or chunk_pos != len(chunk_ids):
-            raise RuntimeError(
-                f"offload job {job_id}: {len(device_spec.block_ids)} block IDs and "
-                f"{len(chunk_ids)} chunks do not match the group sizes {list(sizes)}"
-            )
+                moved += len(blocks) * page
         base = importlib.import_module("vllm.v1.kv_offload.base")
+        if failing:
+            logger.warning("hybrid_alloc: injected KV offload load failure (job %d)", job_id)
         self._done.append(
             base.TransferResult(
                 job_id=job_id,
-                success=True,
-                transfer_size=moved,
-                transfer_time=time.perf_counter() - start,
+                success=not failing,
+                transfer_size=None if failing else moved,
+                transfer_time=None if failing else time.perf_counter() - start,
             )
         )
         return True
@@ -266,11 +342,117 @@ def _host_copy_get_worker(stock: Callable[..., Any]) -> Callable[..., Any]:
             return stock(self, kv_caches)
         if getattr(self, "_worker", None) is None:
             self._worker = HostCopyOffloadingWorker(
-                kv_caches, self.blocks_per_chunk, self.num_chunks
+                kv_caches,
+                self.blocks_per_chunk,
+                self.num_chunks,
+                LoadFailures.from_extra_config(self.config),
             )
         return self._worker
 
     return get_worker
+
+
+# ---------------------------------------------------------------- failed loads
+_FAILED = "_hybrid_alloc_failed_receives"  # worker-side connector: requests whose load failed
+
+
+def _failure_aware_get_finished(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``OffloadingConnectorWorker.get_finished`` that takes failed transfers: a failed load
+    completes its job (so the scheduler side releases its offload entries) and its request
+    is reported received (vLLM's contract for failed receives) and remembered as failed; a
+    failed store has no request to fail and stops the worker with an error naming it."""
+
+    def get_finished(self: Any, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        del finished_req_ids  # stores never finish requests here (vLLM's rule too)
+        if self.worker is None:
+            raise RuntimeError("offloading connector: KV caches were never registered")
+        received: set[str] = set()
+        failed: set[str] = getattr(self, _FAILED, set())
+        meta = self._connector_worker_meta
+        for result in self.worker.get_finished():
+            is_load = result.job_id in self._load_jobs
+            # vLLM 0.33 also runs loads for no request (None): nothing to fail for those.
+            req_id = self._load_jobs.pop(result.job_id, None)
+            if not result.success:
+                if not is_load:
+                    raise RuntimeError(f"KV offload store job {result.job_id} failed")
+                if req_id is not None:
+                    failed.add(req_id)
+            elif result.transfer_time is not None and result.transfer_size is not None:
+                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                stats.record(result.transfer_size, result.transfer_time)
+            meta.mark_completed(result.job_id)
+            if req_id is not None:
+                received.add(req_id)
+        setattr(self, _FAILED, failed)
+        return set(), received
+
+    return get_finished
+
+
+def _with_failed_receives(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``OffloadingConnector.get_transfer_results`` that also reports the requests whose
+    load failed (``failed_recving``: vLLM's request-level failure path, the one that holds
+    for any number of KV-cache groups)."""
+
+    def get_transfer_results(self: Any, finished_req_ids: set[str]) -> Any:
+        results = stock(self, finished_req_ids)
+        worker = getattr(self, "connector_worker", None)
+        failed = getattr(worker, _FAILED, None)
+        if failed:
+            results.failed_recving |= failed & results.finished_recving
+            failed -= results.failed_recving
+        return results
+
+    return get_transfer_results
+
+
+def drop_offloaded_keys(manager: Any, keys: Sequence[Any]) -> list[Any]:
+    """Remove ``keys`` from a CPU offload manager's index and free their chunks, except
+    those another transfer still holds (they stay, as any in-use entry does). Returns the
+    keys removed."""
+    removed = []
+    for key in keys:
+        chunk = manager._policy.get(key)
+        if chunk is None or not chunk.is_ready or chunk.ref_cnt != 0:
+            continue
+        manager._policy.remove(key)
+        manager._num_evictable_cache_chunks -= 1
+        manager._free_chunk(chunk)
+        removed.append(key)
+    if removed and manager.events is not None:
+        base = importlib.import_module("vllm.v1.kv_offload.base")
+        manager.events.append(
+            base.OffloadingEvent(keys=removed, medium=manager.medium, removed=True)
+        )
+    return removed
+
+
+def _dropping_failed_loads(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``OffloadingConnectorScheduler.update_connector_output`` that, once a failed load's
+    job completes, removes that load's entries from the offload index (where the CPU
+    manager's index allows it), so that no later request reads them again."""
+
+    def update_connector_output(self: Any, connector_output: Any) -> None:
+        failed = set(getattr(connector_output, "failed_recving", ()) or ())
+        doomed = [
+            key
+            for job in self._jobs.values()
+            if not job.is_store and job.req_id in failed
+            for key in job.keys
+        ]
+        stock(self, connector_output)
+        if doomed and hasattr(self.manager, "_policy"):
+            removed = drop_offloaded_keys(self.manager, doomed)
+            logger.warning(
+                "hybrid_alloc: KV offload load failed for request(s) %s; %d of its %d "
+                "offloaded entries dropped from the index",
+                ", ".join(sorted(failed)),
+                len(removed),
+                len(doomed),
+            )
+
+    return update_connector_output
 
 
 # (module, class or None, attribute, wrapper factory)
@@ -283,8 +465,18 @@ _HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
         _per_group_register_kv_caches,
     ),
     (_CPU_SPEC_MODULE, "CPUOffloadingSpec", "get_worker", _host_copy_get_worker),
+    (_WORKER_MODULE, "OffloadingConnectorWorker", "get_finished", _failure_aware_get_finished),
+    (_CONNECTOR_MODULE, "OffloadingConnector", "get_transfer_results", _with_failed_receives),
+    (
+        _SCHEDULER_MODULE,
+        "OffloadingConnectorScheduler",
+        "update_connector_output",
+        _dropping_failed_loads,
+    ),
 )
 _stock: dict[tuple[str, str | None, str], Any] = {}
+"""(module, class, attribute) -> vLLM's own object while wrapped (None: the class inherited
+it, so uninstall deletes the wrapper)."""
 
 
 def _target(module_name: str, owner: str | None) -> Any:
@@ -306,16 +498,21 @@ def install() -> None:
         except Exception as e:
             logger.debug("hybrid_alloc: %s not hooked (%s)", ".".join(filter(None, key)), e)
             continue
-        stock = vars(target).get(attr)
-        if stock is None:
+        own = vars(target).get(attr)
+        inherited = getattr(target, attr, None) if own is None and owner else None
+        if own is None and inherited is None:
             continue
-        _stock[key] = stock
-        setattr(target, attr, wrap(stock))
+        _stock[key] = own  # None: inherited, removed again on uninstall
+        setattr(target, attr, wrap(own if own is not None else inherited))
 
 
 def uninstall() -> None:
     for (module_name, owner, attr), stock in list(_stock.items()):
-        setattr(_target(module_name, owner), attr, stock)
+        target = _target(module_name, owner)
+        if stock is None:
+            delattr(target, attr)
+        else:
+            setattr(target, attr, stock)
         del _stock[(module_name, owner, attr)]
 
 
