@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
-# Hypothesis profiles: "ci" (default) is derandomized with a fixed budget; "long" digs deeper.
+# Hypothesis profiles: "ci" (default) is derandomized with a fixed budget; "long" digs deeper;
+# "mutants" is "ci" without shrinking (scripts/mutation_check.py: a mutant is caught by any
+# failing example, and shrinking one is most of the time a caught mutant costs).
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -22,6 +24,11 @@ settings.register_profile(
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "mutants",
+    parent=settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.load_profile(os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci"))
 

@@ -346,21 +346,8 @@ def _extra_submit_load_arguments() -> dict[str, Any]:
     return {name: True for name in extra}
 
 
-def _vllm_passes_expedited() -> bool:
-    try:
-        return bool(_extra_submit_load_arguments())
-    except Exception:
-        return False
-
-
-@pytest.mark.xfail(
-    _vllm_passes_expedited(),
-    strict=True,
-    reason="vLLM 0.33's OffloadingWorker.submit_load takes expedited=False and its "
-    "connector worker calls submit_load(job_id, src, dst, expedited=True) for sync "
-    "loads; HostCopyOffloadingWorker.submit_load has no such parameter (TypeError)",
-)
 def test_submit_load_takes_vllms_arguments() -> None:
+    """vLLM 0.33 passes ``expedited=True`` for loads waited on within the step."""
     kv, dev, _ = build_caches(TWO_GROUPS)
     worker = offload.HostCopyOffloadingWorker(kv, 1, NUM_CHUNKS)
     worker.submit_store(1, gpu_spec([[4], []], [0, 0]), cpu_spec([0]))

@@ -358,7 +358,12 @@ class HostCopyOffloadingWorker:
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         return self._transfer(job_id, src_spec, np.asarray(dst_spec.block_ids), store=True)
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        """``expedited`` (vLLM 0.33: a load waited on within the step) changes nothing here:
+        every transfer completes when it is submitted."""
+        del expedited
         return self._transfer(job_id, dst_spec, np.asarray(src_spec.block_ids), store=False)
 
     def get_finished(self) -> list[Any]:
