@@ -218,9 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mutants", nargs="*", help="names (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument(
+        "--names",
+        choices=("rust", "python"),
+        help="print the names of the mutants in Rust (or in Python) and exit",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = parser.parse_args(argv)
     by_name = {m.name: m for m in MUTANTS}
+    if args.names:
+        print(" ".join(m.name for m in MUTANTS if m.in_rust == (args.names == "rust")))
+        return 0
     if args.list:
         for m in MUTANTS:
             print(f"{m.name:28} {m.path}: {m.why}")

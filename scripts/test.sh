@@ -26,15 +26,18 @@ cargo test --quiet
 echo "== ruff"
 ruff check python tests benches scripts examples
 ruff format --check python tests benches scripts examples
-# Two lanes at once (each mostly one core): the 0.32 tests that start no engine, and the
-# 0.33 tests followed by the mutation check (its named tests are among the first lane's, and
-# any failure there fails this script too). Each lane's output is printed when both are done.
+# Two lanes at once (each mostly one core): the 0.32 tests that start no engine, then the
+# Python mutants of the mutation check; the 0.33 tests, then its Rust mutants (the mutants'
+# named tests are among the first lane's, and any failure there fails this script too).
+# Each lane's output is printed when both are done.
 # Then the engine tests alone: each runs two engines side by side, one core each.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 (
     echo "== pytest, vLLM 0.32.0, tests without engines"
     "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" "$@" || [ $? -eq 5 ]
+    echo "== mutation check, Python mutants (broken copies must fail named tests)"
+    "$venv/bin/python" scripts/mutation_check.py $("$venv/bin/python" scripts/mutation_check.py --names python)
 ) > "$logs/lane1" 2>&1 &
 lane1=$!
 (
@@ -42,8 +45,8 @@ lane1=$!
     "$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" tests/pool \
         tests/pool_set tests/manager tests/planner tests/offload \
         tests/engine/test_integration.py "$@"
-    echo "== mutation check (broken copies of the allocator must fail named tests)"
-    "$venv/bin/python" scripts/mutation_check.py
+    echo "== mutation check, Rust mutants"
+    "$venv/bin/python" scripts/mutation_check.py $("$venv/bin/python" scripts/mutation_check.py --names rust)
 ) > "$logs/lane2" 2>&1 &
 lane2=$!
 status=0

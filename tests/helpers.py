@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
 import torch
 from hypothesis.stateful import RuleBasedStateMachine
 from vllm.sampling_params import SamplingParams
@@ -222,6 +223,16 @@ BLOCK = 16
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BLOCK, sha256)
 """Hashes every BLOCK tokens: ``hash_block_size`` of every manager built here."""
+
+
+SLOW_E2E = os.environ.get("HYBRID_ALLOC_SLOW_E2E") == "1"
+
+
+def slow_e2e(why: str) -> Any:
+    """Marks an engine test that the default run leaves out (the 25-minute budget of the
+    test command on 2 cores); ``HYBRID_ALLOC_SLOW_E2E=1`` runs it. ``why``: what it adds
+    over the default engine tests."""
+    return pytest.mark.skipif(not SLOW_E2E, reason=f"HYBRID_ALLOC_SLOW_E2E=1 runs it ({why})")
 
 
 def kv_connector(name: str = "NixlConnector", **extra: Any) -> Any:

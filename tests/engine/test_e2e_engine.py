@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import run_engines
+from tests.helpers import run_engines, slow_e2e
 
 pytestmark = [
     pytest.mark.e2e,
@@ -197,6 +197,7 @@ def test_caching_no_block_leak(caching_pair: dict[str, dict[str, Any]]) -> None:
 
 
 # -------------------------------------------------------- qwen3_next, caching off
+@slow_e2e("the drop-in pool preempting without prefix caching; the caching pair preempts too")
 def test_no_caching_qwen3_next(no_caching_pair: dict[str, dict[str, Any]]) -> None:
     _assert_same_outputs(no_caching_pair)
     _assert_backend_used(no_caching_pair["rust"], "rust", RUST_POOL)

