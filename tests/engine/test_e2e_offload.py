@@ -12,7 +12,8 @@ so a state restored wrong, or not at all, changes the tokens.
 Checked: same greedy tokens as stock without offloading; external prefix-cache hits and
 bytes moved both ways; every block of every pool back at the end. The Qwen3-Next engines
 (stock, per-group, drop-in, three injected load failures) start once, side by side, for all
-the tests that read them.
+the tests that read them; the per-group one also writes vLLM's filesystem tier, which a
+fresh engine process started after them reads back (a restart).
 """
 
 from __future__ import annotations
@@ -91,6 +92,29 @@ def _offloading(family: str, extra: list[str] | None = None) -> list[str]:
     return [*WORKLOAD, *common, *OFFLOAD, "--num-gpu-blocks", str(blocks), *(extra or [])]
 
 
+def _fs_tier(root: Path) -> list[str]:
+    """vLLM's tiering spec: the CPU tier plus a filesystem tier under ``root``."""
+    transfer = {
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
+            ],
+        }
+    }
+    return ["--engine-arg", f"kv_transfer_config={json.dumps(transfer)}"]
+
+
+def _tier_files(root: Path) -> dict[str, Any]:
+    """The filesystem tier's directories under ``root``: {directory: (its config.json,
+    the number of block files under its rank directory)}."""
+    out: dict[str, Any] = {}
+    for config in root.glob("*/config.json"):
+        blocks = len(list(root.glob(f"{config.parent.name}_r0/*/*/*.bin")))
+        out[config.parent.name] = (json.loads(config.read_text()), blocks)
+    return out
+
+
 def _injecting(groups: list[int]) -> list[str]:
     transfer = {
         "kv_load_failure_policy": "recompute",
@@ -107,9 +131,11 @@ def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
 
     workdir = tmp_path_factory.mktemp("offload_qwen3_next")
     model = write_tiny_hybrid_model(workdir / "model", "qwen3_next")
+    fs_root = workdir / "kv_files"
     runs: dict[str, tuple[str, bool, list[str]]] = {
         "stock": ("vllm", False, WORKLOAD),
-        "per_group": ("rust", True, _offloading("qwen3_next")),
+        # The CPU tier under vLLM's tiering spec, with a filesystem tier behind it.
+        "per_group": ("rust", True, _offloading("qwen3_next", _fs_tier(fs_root))),
         # vLLM's shared pool holds the GDN states too: more blocks for the same two requests.
         # Its first load fails in every group.
         "drop_in": (
@@ -120,7 +146,18 @@ def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     }
     for run, groups in FAULTS.values():
         runs[run] = ("rust", True, _offloading("qwen3_next", _injecting(groups)))
-    return run_engines(model, workdir, runs)
+    results = run_engines(model, workdir, runs)
+    results["tier_files"] = _tier_files(fs_root)
+    # A new engine process over the same files (a restart): its device pool holds every
+    # request, so whatever it does not compute comes from the filesystem tier.
+    results.update(
+        run_engines(
+            model,
+            workdir,
+            {"restarted": ("rust", True, [*WORKLOAD, *OFFLOAD, *_fs_tier(fs_root)])},
+        )
+    )
+    return results
 
 
 def test_offloading_per_group_qwen3_next(qwen_runs: dict[str, dict[str, Any]]) -> None:
@@ -128,6 +165,32 @@ def test_offloading_per_group_qwen3_next(qwen_runs: dict[str, dict[str, Any]]) -
     ours = qwen_runs["per_group"]
     _check_offloaded(qwen_runs["stock"], ours, POOL_SET)
     assert "hybrid_alloc: per-group KV-cache pools: group" in ours["log_text"]
+
+
+def test_filesystem_tier_across_restart(qwen_runs: dict[str, dict[str, Any]]) -> None:
+    """The per-group run's chunks reach vLLM's filesystem tier, under a directory named by
+    the per-group host layout; a new engine process over the same directory gets the first
+    wave's prefixes (attention blocks and GDN states) from the files: same tokens as stock
+    without offloading."""
+    directories = qwen_runs["tier_files"]
+    assert len(directories) == 1, directories
+    ((config, files),) = directories.values()
+    layout = config["kv_layout"]
+    assert layout["kv_pools"] == "hybrid_alloc per-group"
+    assert [g["group"] for g in layout["groups"]] == [0, 1]
+    assert files > 0
+    ours = qwen_runs["restarted"]
+    assert ours["outputs"] == qwen_runs["stock"]["outputs"]
+    metrics = ours["metrics"]
+    assert metrics["preemptions"] == 0
+    # The first wave's four 640-token prefixes (the second wave hits the device cache).
+    assert metrics["external_prefix_cache_hits"] >= 4 * 640, metrics
+    assert metrics["offload_load_bytes"] > 0, metrics
+    assert "Created secondary tier #0 (fs)" in ours["log_text"]
+    assert "in the shared offload region" in ours["log_text"]
+    assert ours["reset_prefix_cache_ok"] is True
+    state = ours["probe"]["before_reset"]
+    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
 
 
 def test_offloading_per_group_nemotron_h(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_alloc.integration import offload
+from hybrid_alloc.integration import offload, offload_tiers
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from tests.planner.specs import BLOCK, MAX_LEN, attention, small_engine_config, small_mamba
 
@@ -85,7 +85,7 @@ def build_caches(
 
 def host_buffers(worker: offload.HostCopyOffloadingWorker) -> list[torch.Tensor]:
     """The worker's host buffers (one per row view; rows ``c * bpc ...`` hold chunk c)."""
-    return worker._host
+    return [h.flatten(0, 1) for h in worker._host]
 
 
 def randomize(buffers: list[torch.Tensor], seed: int) -> None:
@@ -554,7 +554,22 @@ def test_offload_bytes_per_block_per_group(padded_mamba: bool) -> None:
     # vLLM's figure (the shared allocation over the primary pool) mixes the groups.
     assert theirs.worker_kv_bytes_per_block == config.kv_cache_tensors[0].size // config.num_blocks
     assert theirs.worker_kv_bytes_per_block != ours.worker_kv_bytes_per_block
-    assert replace(theirs, worker_kv_bytes_per_block=ours.worker_kv_bytes_per_block) == ours
+    # The host layout is named in the extra config (for the file names of secondary tiers).
+    layout = ours.extra_config[offload_tiers.LAYOUT_KEY]
+    assert layout["bytes_per_block"] == ours.worker_kv_bytes_per_block
+    assert layout["groups"] == [
+        {"group": 0, "pages": [["m.0", mamba], ["m.1", mamba]]},
+        {"group": 1, "pages": [["a.0", ATTENTION_PAGE], ["a.1", ATTENTION_PAGE]]},
+        {"group": 2, "pages": [["w.0", ATTENTION_PAGE]]},
+    ]
+    assert (
+        replace(
+            theirs,
+            worker_kv_bytes_per_block=ours.worker_kv_bytes_per_block,
+            extra_config={**theirs.extra_config, offload_tiers.LAYOUT_KEY: layout},
+        )
+        == ours
+    )
 
 
 def test_offload_bytes_per_block_plain_config_unchanged() -> None:
@@ -563,6 +578,7 @@ def test_offload_bytes_per_block_plain_config_unchanged() -> None:
     vllm_config = offload_vllm_config(blocks_per_chunk=2)
     ours = wrapped(vllm_config, plain_config())
     assert ours.worker_kv_bytes_per_block == 2 * ATTENTION_PAGE  # size // num_blocks
+    assert offload_tiers.LAYOUT_KEY not in ours.extra_config
     assert ours == stock(vllm_config, plain_config())
     assert ours.cache.blocks_per_chunk == 2
 
@@ -621,7 +637,8 @@ def test_install_uninstall_restore_vllms_functions(stock_offload: None) -> None:
     offload.uninstall()
     assert all(a is o for a, o in zip(hooked_attributes(), originals, strict=True))
     after = [getattr(target, attr) for target, attr in hook_targets()]
-    assert all(a is r for a, r in zip(after, resolved, strict=True))
+    # (== : a classmethod resolves to a new bound method on every access)
+    assert all(a == r for a, r in zip(after, resolved, strict=True))
 
 
 def test_register_kv_caches_hook(stock_offload: None) -> None:

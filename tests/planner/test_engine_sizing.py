@@ -179,8 +179,20 @@ def test_unsupported_engines_fall_back() -> None:
     # offload hooks); its other tiers and the canonical host layout are refused by name.
     cfg.kv_transfer_config = kv_connector("OffloadingConnector", cpu_bytes_to_use=1 << 30)
     assert sizing.config_unsupported_reason(cfg) is None
-    cfg.kv_transfer_config = kv_connector("OffloadingConnector", spec_name="TieringOffloadingSpec")
-    assert "'TieringOffloadingSpec'" in (sizing.config_unsupported_reason(cfg) or "")
+    # vLLM's tiering spec: served with filesystem tiers; any other tier refused by name.
+    tiering = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 30}
+    fs = {"type": "fs", "root_dir": "/tmp/kv"}
+    cfg.kv_transfer_config = kv_connector("OffloadingConnector", **tiering)
+    assert sizing.config_unsupported_reason(cfg) is None
+    cfg.kv_transfer_config = kv_connector("OffloadingConnector", **tiering, secondary_tiers=[fs])
+    assert sizing.config_unsupported_reason(cfg) is None
+    for tier in ({"type": "obj"}, {**fs, "module_path": "my.tiers"}):
+        cfg.kv_transfer_config = kv_connector(
+            "OffloadingConnector", **tiering, secondary_tiers=[fs, tier]
+        )
+        assert "secondary offload tier '" in (sizing.config_unsupported_reason(cfg) or "")
+    cfg.kv_transfer_config = kv_connector("OffloadingConnector", spec_name="MySpec")
+    assert "'MySpec'" in (sizing.config_unsupported_reason(cfg) or "")
     cfg.kv_transfer_config = kv_connector("OffloadingConnector", canonical_layout=True)
     assert "canonical_layout" in (sizing.config_unsupported_reason(cfg) or "")
 

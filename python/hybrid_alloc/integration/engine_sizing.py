@@ -119,8 +119,17 @@ def kv_connector_unsupported_reason(kv_transfer_config: Any) -> str | None:
         )
     extra = kv_transfer_config.kv_connector_extra_config or {}
     spec_name = extra.get("spec_name", "CPUOffloadingSpec")
-    if spec_name != "CPUOffloadingSpec":
-        return f"offloading spec {spec_name!r} (per-group pools serve the CPU tier only)"
+    if spec_name == "TieringOffloadingSpec":
+        from hybrid_alloc.integration.offload_tiers import secondary_tiers_unsupported_reason
+
+        reason = secondary_tiers_unsupported_reason(extra)
+        if reason is not None:
+            return reason
+    elif spec_name != "CPUOffloadingSpec":
+        return (
+            f"offloading spec {spec_name!r} (per-group pools serve vLLM's CPU tier and its "
+            "tiering spec with filesystem tiers only)"
+        )
     if extra.get("canonical_layout"):
         return "the offloading connector's canonical_layout"
     return None

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from hybrid_alloc.integration import versions
+from hybrid_alloc.integration import offload_tiers, versions
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
 logger = init_logger("vllm.hybrid_alloc")
@@ -103,7 +103,25 @@ def _per_group_build_offloading_config(stock: Callable[..., Any]) -> Callable[..
             config.worker_kv_bytes_per_block
         ):
             return config
-        return replace(config, worker_kv_bytes_per_block=per_group_bytes_per_block(kv_cache_config))
+        bytes_per_block = per_group_bytes_per_block(kv_cache_config)
+        layout = offload_tiers.per_group_layout(
+            [
+                (
+                    gid,
+                    [
+                        (name, int(spec.page_size_bytes))
+                        for name, spec in _layer_specs(kv_cache_config.kv_cache_groups[gid]).items()
+                    ],
+                )
+                for gid in _offloaded_group_ids(kv_cache_config)
+            ],
+            bytes_per_block,
+        )
+        return replace(
+            config,
+            worker_kv_bytes_per_block=bytes_per_block,
+            extra_config={**config.extra_config, offload_tiers.LAYOUT_KEY: layout},
+        )
 
     return build_offloading_config
 
@@ -180,20 +198,50 @@ _ROW_COPY_MIN_BYTES = 32 << 10
 def _widest_pair(
     rows: torch.Tensor, host: torch.Tensor, page: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` and ``host`` (int8, blocks first) narrowed to their first ``page`` bytes and
-    viewed as the widest integer type whose size divides the page, the block strides and
-    the storage offsets."""
-    if page > rows.shape[1] or page > host.shape[1]:
-        raise RuntimeError(f"page of {page} B is wider than its {rows.shape[1]} B KV row")
+    """``rows`` (int8, ``(blocks, row bytes)``) and ``host`` (int8, ``(chunks, blocks per
+    chunk, row bytes)``) narrowed to their first ``page`` bytes and viewed as the widest
+    integer type whose size divides the page, every stride and the storage offsets."""
+    if page > rows.shape[-1] or page > host.shape[-1]:
+        raise RuntimeError(f"page of {page} B is wider than its {rows.shape[-1]} B KV row")
     for dtype in (torch.int64, torch.int32, torch.int16):
         width = torch.empty(0, dtype=dtype).element_size()
         fits = all(
-            t.stride(0) % width == 0 and t.shape[1] % width == 0 and t.storage_offset() % width == 0
+            t.shape[-1] % width == 0
+            and t.storage_offset() % width == 0
+            and all(stride % width == 0 for stride in t.stride()[:-1])
             for t in (rows, host)
         )
         if page % width == 0 and fits:
-            return rows.view(dtype)[:, : page // width], host.view(dtype)[:, : page // width]
-    return rows[:, :page], host[:, :page]
+            return rows.view(dtype)[:, : page // width], host.view(dtype)[..., : page // width]
+    return rows[:, :page], host[..., :page]
+
+
+def _copy_rows(
+    device: torch.Tensor,
+    host: torch.Tensor,
+    blocks: torch.Tensor,
+    chunks: torch.Tensor,
+    slots: torch.Tensor,
+    store: bool,
+) -> int:
+    """Copy KV rows ``device[blocks[i]]`` to (``store``) or from host ``host[chunks[i],
+    slots[i]]``; returns the number of rows."""
+    count = len(blocks)
+    page = device.shape[1] * device.element_size()
+    if page >= _ROW_COPY_MIN_BYTES:  # one memcpy per row: memory-bandwidth bound
+        for b, c, k in zip(blocks.tolist(), chunks.tolist(), slots.tolist(), strict=True):
+            (host[c, k] if store else device[b]).copy_(device[b] if store else host[c, k])
+    elif host.shape[1] == 1:  # one block per chunk: a plain row gather / scatter
+        flat = host[:, 0]
+        if store:
+            flat.index_copy_(0, chunks, device.index_select(0, blocks))
+        else:
+            device.index_copy_(0, blocks, flat.index_select(0, chunks))
+    elif store:
+        host.index_put_((chunks, slots), device.index_select(0, blocks))
+    else:
+        device.index_copy_(0, blocks, host[chunks, slots])
+    return count
 
 
 INJECT_KEY = "hybrid_alloc_inject_load_failures"
@@ -239,10 +287,14 @@ class HostCopyOffloadingWorker:
     wrote the blocks, and loads before the forward pass that reads them), and are reported
     finished at the next :meth:`get_finished`.
 
-    Host layout, as vLLM's handler lays it out so the scheduler-side sizing agrees: one
-    buffer per KV row view, ``(num_chunks * blocks_per_chunk, page)``; chunk ``c`` holds
-    rows ``c * blocks_per_chunk ...``; a group's blocks use the buffers of that group's
-    layers only.
+    Host layout, as vLLM's handler lays it out so the scheduler-side sizing (and a secondary
+    tier reading the chunks) agrees: per KV row view, a ``(num_chunks, blocks_per_chunk,
+    page)`` buffer; a group's blocks use the buffers of that group's layers only. Without
+    ``region`` each buffer is private memory. With ``region`` (vLLM's
+    ``SharedOffloadRegion``, which the tiering spec's scheduler side also maps) the buffers
+    are this worker's consecutive slices of every chunk row, as vLLM's own worker carves
+    them, so secondary tiers (the filesystem) see the bytes the worker stored. The worker
+    owns ``region`` once constructed and releases it on :meth:`shutdown`.
     """
 
     def __init__(
@@ -251,17 +303,16 @@ class HostCopyOffloadingWorker:
         blocks_per_chunk: int,
         num_chunks: int,
         fail_loads: LoadFailures | None = None,
+        region: Any = None,
     ) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be positive, got {blocks_per_chunk}")
         self._fail_loads = fail_loads
+        self._region = region
         tensors = [t.tensor for t in kv_caches.tensors]
         self._blocks_per_chunk = blocks_per_chunk
-        self._host = [
-            torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8)
-            for t in tensors
-        ]
-        # Per group, per layer: (KV rows, host rows), both narrowed to the ref's page and
+        self._host = [self._host_buffer(num_chunks, blocks_per_chunk, t.shape[1]) for t in tensors]
+        # Per group, per layer: (KV rows, host chunks), both narrowed to the ref's page and
         # viewed with the widest element that divides it (row gathers of int8 elements run
         # several times slower than of int64 ones).
         self._refs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
@@ -275,19 +326,28 @@ class HostCopyOffloadingWorker:
         ]
         self._done: list[Any] = []
         logger.info(
-            "hybrid_alloc: KV offloading by host copies: %d buffers of %d chunks, %.1f MiB",
+            "hybrid_alloc: KV offloading by host copies: %d buffers of %d chunks, %.1f MiB%s",
             len(self._host),
             num_chunks,
             sum(h.numel() for h in self._host) / 2**20,
+            " in the shared offload region" if region is not None else "",
         )
 
-    def _host_rows(self, chunk_ids: np.ndarray, first_block: int, count: int) -> torch.Tensor:
-        """Host rows of ``count`` consecutive blocks of a request starting at its block
-        ``first_block``, stored in ``chunk_ids`` (the first chunk may be entered midway)."""
+    def _host_buffer(self, num_chunks: int, bpc: int, page: int) -> torch.Tensor:
+        if self._region is None:
+            return torch.zeros((num_chunks, bpc, page), dtype=torch.int8)
+        return self._region.create_next_worker_view(bpc * page).unflatten(1, (bpc, page))
+
+    def _host_slots(
+        self, chunk_ids: np.ndarray, first_block: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk, slot in chunk) of ``count`` consecutive blocks of a request starting at
+        its block ``first_block``, stored in ``chunk_ids`` (the first chunk may be entered
+        midway)."""
         bpc = self._blocks_per_chunk
         logical = np.arange(count, dtype=np.int64) + first_block % bpc
-        rows = chunk_ids.astype(np.int64)[logical // bpc] * bpc + logical % bpc
-        return torch.from_numpy(rows)
+        chunks = chunk_ids.astype(np.int64)[logical // bpc]
+        return torch.from_numpy(chunks), torch.from_numpy(logical % bpc)
 
     def _transfer(self, job_id: int, device_spec: Any, chunk_ids: np.ndarray, store: bool) -> bool:
         start = time.perf_counter()
@@ -325,23 +385,17 @@ class HostCopyOffloadingWorker:
             blocks = torch.from_numpy(
                 device_spec.block_ids[block_pos : block_pos + size].astype(np.int64)
             )
-            rows = self._host_rows(chunk_ids[chunk_pos : chunk_pos + num_chunks], first, size)
+            chunks, slots = self._host_slots(
+                chunk_ids[chunk_pos : chunk_pos + num_chunks], first, size
+            )
             block_pos += size
             chunk_pos += num_chunks
             if failing and self._fail_loads is not None and position in self._fail_loads.positions:
                 # A torn write: the first half of the group's blocks only.
-                blocks, rows = blocks[: size // 2], rows[: size // 2]
-            pairs = list(zip(blocks.tolist(), rows.tolist(), strict=True))
+                blocks, chunks, slots = blocks[: size // 2], chunks[: size // 2], slots[: size // 2]
             for device, host in refs:
                 page = device.shape[1] * device.element_size()
-                if page >= _ROW_COPY_MIN_BYTES:  # one memcpy per row: memory-bandwidth bound
-                    for b, r in pairs:
-                        (host[r] if store else device[b]).copy_(device[b] if store else host[r])
-                elif store:
-                    host.index_copy_(0, rows, device.index_select(0, blocks))
-                else:
-                    device.index_copy_(0, blocks, host.index_select(0, rows))
-                moved += len(pairs) * page
+                moved += _copy_rows(device, host, blocks, chunks, slots, store) * page
         base = importlib.import_module("vllm.v1.kv_offload.base")
         if failing:
             logger.warning("hybrid_alloc: injected KV offload load failure (job %d)", job_id)
@@ -374,7 +428,30 @@ class HostCopyOffloadingWorker:
         """Nothing to wait for: every transfer completed when it was submitted."""
 
     def shutdown(self) -> None:
+        self._refs = []
         self._host = []
+        if self._region is not None:
+            self._region.cleanup()
+            self._region = None
+
+
+def _worker_region(spec: Any) -> Any:
+    """The shared host region a spec's worker must write into, or None for private buffers.
+
+    Specs whose scheduler side reads the host chunks itself (the tiering spec: its secondary
+    tiers copy chunk rows between the region and, say, files) keep them in vLLM's
+    ``SharedOffloadRegion``, mapped by the scheduler and every worker; this worker slot is
+    opened as vLLM's own worker opens it for that spec."""
+    if not spec._uses_shared_region() or spec.num_chunks <= 0:
+        return None
+    region_module = importlib.import_module("vllm.v1.kv_offload.cpu.shared_offload_region")
+    return region_module.SharedOffloadRegion(
+        engine_id=spec.config.engine_id,
+        num_chunks=spec.num_chunks,
+        rank=0 if spec.replicated_layout else spec.config.parallel.rank,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
 
 
 def _host_copy_get_worker(stock: Callable[..., Any]) -> Callable[..., Any]:
@@ -384,12 +461,19 @@ def _host_copy_get_worker(stock: Callable[..., Any]) -> Callable[..., Any]:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
             return stock(self, kv_caches)
         if getattr(self, "_worker", None) is None:
-            self._worker = HostCopyOffloadingWorker(
-                kv_caches,
-                self.blocks_per_chunk,
-                self.num_chunks,
-                LoadFailures.from_extra_config(self.config),
-            )
+            region = _worker_region(self)
+            try:
+                self._worker = HostCopyOffloadingWorker(
+                    kv_caches,
+                    self.blocks_per_chunk,
+                    self.num_chunks,
+                    LoadFailures.from_extra_config(self.config),
+                    region,
+                )
+            except BaseException:
+                if region is not None:
+                    region.cleanup()
+                raise
         return self._worker
 
     return get_worker
@@ -515,6 +599,12 @@ _HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
         "OffloadingConnectorScheduler",
         "update_connector_output",
         _dropping_failed_loads,
+    ),
+    (
+        offload_tiers.FILE_MAPPER_MODULE,
+        "FileMapper",
+        "from_offloading_spec",
+        offload_tiers.layout_named_file_mapper,
     ),
 )
 _stock: dict[tuple[str, str | None, str], Any] = {}
