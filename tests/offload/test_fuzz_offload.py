@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -950,6 +951,48 @@ def test_groups_that_disagree(
     assert modelled_hit(manager_status(manager), request.block_hashes, start, num_tokens) == want
     config = per_group_config(PER_GROUP_LAYOUTS[LAYOUT], [8, 4])
     assert real_hit(real_scheduler(config, manager), request, start, set()) == want
+
+
+@pytest.mark.parametrize(("fa", "mamba", "start", "num_tokens", "want"), DISAGREE)
+def test_disagreeing_groups_logged_at_debug(
+    fa: set[int], mamba: set[int], start: int, num_tokens: int, want: int
+) -> None:
+    """With the plugin's hooks, vLLM's lookup says at debug level when the groups hold
+    offloaded prefixes of different lengths beyond what is served (one line naming each
+    group's extent), and stays silent when they agree; the hit is vLLM's either way."""
+    request = new_request("q", PREFIXES[0][:num_tokens])
+    manager = disagreeing_index(fa, mamba, request.block_hashes)
+    sched = real_scheduler(per_group_config(PER_GROUP_LAYOUTS[LAYOUT], [8, 4]), manager)
+    lines: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.hybrid_alloc")
+    level, was_installed = log.level, offload.is_installed()
+    log.addHandler(handler)
+    try:
+        offload.install()
+        log.setLevel(logging.INFO)
+        assert real_hit(sched, request, start, set()) == want
+        assert not lines  # nothing computed or logged above debug level
+        log.setLevel(logging.DEBUG)
+        assert real_hit(sched, request, start, set()) == want
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        if not was_installed:
+            offload.uninstall()
+    fa_tokens = (max(fa) + 1) * CHUNK if fa else 0
+    mamba_tokens = (max(mamba) + 1) * CHUNK if mamba else 0
+    differ = fa_tokens != mamba_tokens and max(fa_tokens, mamba_tokens) > start + want
+    assert lines == (
+        [
+            f"hybrid_alloc: request q: offloaded prefixes differ across KV-cache groups "
+            f"(group {FA}: {fa_tokens} tokens, group {MAMBA}: {mamba_tokens} tokens); loading "
+            f"{want} tokens, the longest prefix every group holds ({start} computed locally)"
+        ]
+        if differ
+        else []
+    )
 
 
 # (full attention present, Mamba present, full attention pending, Mamba pending, hit)

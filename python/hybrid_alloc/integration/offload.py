@@ -43,6 +43,7 @@ metrics) is vLLM's, unchanged.
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -582,6 +583,62 @@ def _dropping_failed_loads(stock: Callable[..., Any]) -> Callable[..., Any]:
     return update_connector_output
 
 
+def _cpu_index(manager: Any) -> Any:
+    """The CPU tier's key index of an offload manager (plain or tiering), or None."""
+    index = getattr(manager, "_policy", None)
+    if index is None:
+        index = getattr(getattr(manager, "primary_tier", None), "_policy", None)
+    return index
+
+
+def stored_extents(self: Any, req_status: Any) -> list[tuple[int, int]]:
+    """(KV-cache group, tokens up to its furthest chunk stored and ready in the CPU tier)
+    per offloaded group of a request: a side-effect-free peek at the index (a lookup
+    would start promotions from secondary tiers and count in the metrics)."""
+    index = _cpu_index(self.manager)
+    if index is None:
+        return []
+    extents = []
+    for group, state in zip(self.config.kv_group_configs, req_status.group_states, strict=True):
+        furthest = 0
+        for position, key in enumerate(state.offload_keys, start=1):
+            chunk = index.get(key)
+            if chunk is not None and chunk.is_ready:
+                furthest = position
+        extents.append((group.group_idx, furthest * group.tokens_per_chunk))
+    return extents
+
+
+def _logging_disagreeing_groups(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``OffloadingConnectorScheduler._lookup`` that, at debug level, says when the request's
+    groups hold offloaded prefixes of different lengths: vLLM's lookup then serves the
+    longest prefix present in every group, and the line names what each group held."""
+
+    def _lookup(self: Any, req_status: Any, *args: Any, **kwargs: Any) -> Any:
+        hit = stock(self, req_status, *args, **kwargs)
+        if hit is None or not logger.isEnabledFor(logging.DEBUG):
+            return hit
+        try:
+            extents = stored_extents(self, req_status)
+        except Exception as e:  # a debug aid must never fail a lookup
+            logger.debug("hybrid_alloc: offload extents not read: %s", e)
+            return hit
+        served = req_status.num_locally_computed_tokens + hit
+        if len({tokens for _, tokens in extents}) > 1 and any(t > served for _, t in extents):
+            logger.debug(
+                "hybrid_alloc: request %s: offloaded prefixes differ across KV-cache groups "
+                "(%s); loading %d tokens, the longest prefix every group holds (%d computed "
+                "locally)",
+                req_status.req.request_id,
+                ", ".join(f"group {g}: {t} tokens" for g, t in extents),
+                hit,
+                req_status.num_locally_computed_tokens,
+            )
+        return hit
+
+    return _lookup
+
+
 # (module, class or None, attribute, wrapper factory)
 _HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
     (_CONNECTOR_MODULE, None, "build_offloading_config", _per_group_build_offloading_config),
@@ -600,6 +657,7 @@ _HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
         "update_connector_output",
         _dropping_failed_loads,
     ),
+    (_SCHEDULER_MODULE, "OffloadingConnectorScheduler", "_lookup", _logging_disagreeing_groups),
     (
         offload_tiers.FILE_MAPPER_MODULE,
         "FileMapper",
