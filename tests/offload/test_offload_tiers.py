@@ -155,10 +155,8 @@ def _stock_mapper(offloading_config: Any, root: Path) -> Any:
 
     from vllm.v1.kv_offload.file_mapper import FileMapper
 
-    key = (offload_tiers.FILE_MAPPER_MODULE, "FileMapper", "from_offloading_spec")
-    return offload._stock[key].__func__(
-        FileMapper, str(root), SimpleNamespace(config=offloading_config)
-    )
+    stock = offload.stock(offload_tiers.FILE_MAPPER_MODULE, "FileMapper", "from_offloading_spec")
+    return stock.__func__(FileMapper, str(root), SimpleNamespace(config=offloading_config))
 
 
 def test_a_directory_of_other_settings_is_refused(hooked: None, tmp_path: Path) -> None:

@@ -36,6 +36,13 @@ host-copy worker fail loads on purpose: ``{"groups": [KV-cache group IDs], "coun
 fails the first N loads that carry blocks of those groups, after writing half of each such
 group's blocks (a torn write, as a real failure could leave).
 
+**Secondary tiers** (vLLM's tiering spec, e.g. its filesystem tier): the tiers copy chunk
+rows of vLLM's shared host region, so there the host-copy worker keeps its buffers in that
+region (:func:`_worker_region`); which tiers are served and how their files name the
+per-group layout: :mod:`.offload_tiers`. **Groups that disagree** (one group's offloaded
+prefix longer than another's): vLLM's lookup serves the longest prefix every group holds;
+:func:`_logging_disagreeing_groups` says so at debug level.
+
 Everything else of the connector (its scheduler side, the offload index, eviction, the
 metrics) is vLLM's, unchanged.
 """
@@ -53,7 +60,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from hybrid_alloc.integration import offload_tiers, versions
+from hybrid_alloc.integration import hooks, offload_tiers
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
 logger = init_logger("vllm.hybrid_alloc")
@@ -665,47 +672,23 @@ _HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
         offload_tiers.layout_named_file_mapper,
     ),
 )
-_stock: dict[tuple[str, str | None, str], Any] = {}
-"""(module, class, attribute) -> vLLM's own object while wrapped (None: the class inherited
-it, so uninstall deletes the wrapper)."""
-
-
-def _target(module_name: str, owner: str | None) -> Any:
-    module = importlib.import_module(module_name)
-    return module if owner is None else getattr(module, owner)
+_hooks = hooks.HookSet(_HOOKS, hooks.log_missing(logger, logging.DEBUG))
 
 
 def install() -> None:
     """Wrap the functions in ``_HOOKS`` (idempotent). A module this vLLM build cannot import
     is left alone (the connector cannot run there either)."""
-    if not versions.is_supported(versions.installed_version()):
-        return
-    for module_name, owner, attr, wrap in _HOOKS:
-        key = (module_name, owner, attr)
-        if key in _stock:
-            continue
-        try:
-            target = _target(module_name, owner)
-        except Exception as e:
-            logger.debug("hybrid_alloc: %s not hooked (%s)", ".".join(filter(None, key)), e)
-            continue
-        own = vars(target).get(attr)
-        inherited = getattr(target, attr, None) if own is None and owner else None
-        if own is None and inherited is None:
-            continue
-        _stock[key] = own  # None: inherited, removed again on uninstall
-        setattr(target, attr, wrap(own if own is not None else inherited))
+    _hooks.install()
 
 
 def uninstall() -> None:
-    for (module_name, owner, attr), stock in list(_stock.items()):
-        target = _target(module_name, owner)
-        if stock is None:
-            delattr(target, attr)
-        else:
-            setattr(target, attr, stock)
-        del _stock[(module_name, owner, attr)]
+    _hooks.uninstall()
 
 
 def is_installed() -> bool:
-    return bool(_stock)
+    return _hooks.installed()
+
+
+def stock(module_name: str, owner: str | None, attr: str) -> Any:
+    """vLLM's own object behind an installed hook."""
+    return _hooks.stock((module_name, owner, attr))

@@ -35,14 +35,14 @@ config goes to vLLM's code unchanged):
 
 from __future__ import annotations
 
-import importlib
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
-from hybrid_alloc.integration import versions
+from hybrid_alloc.integration import hooks
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
 # vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
@@ -343,53 +343,29 @@ _RUNNER_HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
     ("vllm.v1.worker.gpu_worker", None, "warmup_kernels", _v2_warmup_kernels),
     ("vllm.v1.worker.gpu.warmup", None, "warmup_kernels", _v2_warmup_kernels),
 )
-# (module, class, attribute) -> vLLM's own object, while our wrapper is installed.
-_stock_runner: dict[tuple[str, str | None, str], Any] = {}
-_WRAPS = "_hybrid_alloc_wraps"  # on each wrapper: the vLLM function it wraps
-
-
-def _target(module_name: str, owner: str | None) -> Any:
-    module = importlib.import_module(module_name)
-    return module if owner is None else getattr(module, owner)
+_runner_hooks = hooks.HookSet(
+    _RUNNER_HOOKS,
+    hooks.log_missing(
+        logger,
+        logging.WARNING,
+        "; per-group pools are right with it only if this process never runs it",
+    ),
+)
 
 
 def install_gpu_runner_hooks() -> None:
     """Wrap the runner functions listed in ``_RUNNER_HOOKS`` (idempotent). Only on the
     releases in :mod:`.versions`; a module that does not import (a build without it) or
     lacks the attribute is left alone."""
-    if not versions.is_supported(versions.installed_version()):
-        return
-    for module_name, owner, attr, wrap in _RUNNER_HOOKS:
-        key = (module_name, owner, attr)
-        if key in _stock_runner:
-            continue
-        try:
-            target = _target(module_name, owner)
-        except Exception as e:  # a runner this build cannot import is not used either
-            logger.warning(
-                "hybrid_alloc: %s not hooked (%s); per-group pools are right with it only "
-                "if this process never runs it",
-                ".".join(filter(None, key)),
-                e,
-            )
-            continue
-        stock = vars(target).get(attr)
-        if stock is None or hasattr(stock, _WRAPS):
-            continue
-        wrapper = wrap(stock)
-        setattr(wrapper, _WRAPS, stock)
-        _stock_runner[key] = stock
-        setattr(target, attr, wrapper)
+    _runner_hooks.install()
 
 
 def uninstall_gpu_runner_hooks() -> None:
-    for (module_name, owner, attr), stock in list(_stock_runner.items()):
-        setattr(_target(module_name, owner), attr, stock)
-        del _stock_runner[(module_name, owner, attr)]
+    _runner_hooks.uninstall()
 
 
 def gpu_runner_hooks_installed() -> bool:
-    return bool(_stock_runner)
+    return _runner_hooks.installed()
 
 
 def install() -> None:
