@@ -532,18 +532,22 @@ RUST_POOL = "hybrid_alloc.integration.block_pool.BlockPool"
 
 
 def run_engines(
-    model: Path, workdir: Path, runs: dict[str, tuple[str, bool, list[str]]]
+    model: Path,
+    workdir: Path,
+    runs: dict[str, tuple[str, bool, list[str]]],
+    models: dict[str, Path] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Start one engine per entry of ``runs`` ({name: (backend, per-group pools on,
     engine_run arguments)}) at once, one CPU core each when there are two; wait for all of
-    them, then check that each exited cleanly without vLLM ERROR lines. Returns {name:
-    engine_run's JSON result, plus ``log_text``}."""
+    them, then check that each exited cleanly without vLLM ERROR lines. Each serves
+    ``model`` unless ``models`` names another for it. Returns {name: engine_run's JSON
+    result, plus ``log_text``}."""
     workdir.mkdir(parents=True, exist_ok=True)
     two_cores = (os.cpu_count() or 1) >= 2
     procs = {}
     for core, (name, (backend, per_group, extra)) in enumerate(runs.items()):
         cmd = engine_run_command(
-            model,
+            (models or {}).get(name, model),
             backend,
             workdir / f"{name}.json",
             extra,

