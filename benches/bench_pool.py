@@ -1411,7 +1411,17 @@ def write_results(
     if cmp is not None:
         lines += comparison_section(cmp, rep.rows)
     lines += capacity_section(path.parent)
+    lines += offload_section(path.parent)
     path.write_text("\n".join(lines))
+
+
+def offload_section(bench_dir: Path) -> list[str]:
+    """``OFFLOAD.md`` (written by ``bench_offload.py``) as it stands, so that rewriting
+    RESULTS.md keeps the offloading results."""
+    source = bench_dir / "OFFLOAD.md"
+    if not source.exists():
+        return []
+    return [source.read_text().strip(), ""]
 
 
 CAPACITY_TABLE_HEADING = "## Token capacity (mamba_cache_mode none)"
