@@ -236,11 +236,15 @@ def _copy_rows(
     slots[i]]``; returns the number of rows."""
     count = len(blocks)
     page = device.shape[1] * device.element_size()
+    flat = host[:, 0] if host.shape[1] == 1 else None  # one block per chunk: 2-D rows
     if page >= _ROW_COPY_MIN_BYTES:  # one memcpy per row: memory-bandwidth bound
-        for b, c, k in zip(blocks.tolist(), chunks.tolist(), slots.tolist(), strict=True):
-            (host[c, k] if store else device[b]).copy_(device[b] if store else host[c, k])
-    elif host.shape[1] == 1:  # one block per chunk: a plain row gather / scatter
-        flat = host[:, 0]
+        if flat is not None:
+            for b, c in zip(blocks.tolist(), chunks.tolist(), strict=True):
+                (flat[c] if store else device[b]).copy_(device[b] if store else flat[c])
+        else:
+            for b, c, k in zip(blocks.tolist(), chunks.tolist(), slots.tolist(), strict=True):
+                (host[c, k] if store else device[b]).copy_(device[b] if store else host[c, k])
+    elif flat is not None:  # a plain row gather / scatter
         if store:
             flat.index_copy_(0, chunks, device.index_select(0, blocks))
         else:
