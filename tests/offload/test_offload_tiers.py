@@ -25,7 +25,7 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
 from hybrid_alloc.integration import offload, offload_tiers
-from tests.offload.test_offload_units import (
+from tests.offload.caches import (
     CONFIG_MODULE,
     block_bytes,
     build_caches,
