@@ -29,7 +29,16 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(
+            "qwen3_next",
+            marks=slow_e2e("'none' mode on Qwen3-Next: the speculative and parallel pairs run it"),
+        ),
+        "nemotron_h",
+    ],
+)
 def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """No prefix caching ('none' mode): same greedy tokens, more token capacity."""
     pair = run_pair(tiny_models[family], tmp_path, ["--no-prefix-caching", "--kv-cache-mib", "64"])

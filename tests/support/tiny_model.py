@@ -21,23 +21,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "falcon_h1", "zamba2", "qwen3_next_8")
+FAMILIES = (
+    "qwen3_next",
+    "nemotron_h",
+    "qwen3_5",
+    "falcon_h1",
+    "zamba2",
+    "qwen3_next_8",
+    "qwen3_next_mtp",
+)
 """Supported families: ``qwen3_next`` (3 Gated-DeltaNet : 1 attention, one MoE layer),
 ``nemotron_h`` (Mamba2 : attention hybrid), ``qwen3_5`` (Qwen3.5 text model: 3
 Gated-DeltaNet : 1 attention, dense), ``falcon_h1`` (Mamba2 and attention side by side in
 every layer), ``zamba2`` (Mamba2 layers, two of them with a shared attention block) and
 ``qwen3_next_8`` (``qwen3_next``'s pattern twice, 8 layers: each of two pipeline stages
-holds GDN and attention layers)."""
+holds GDN and attention layers) and ``qwen3_next_mtp`` (``qwen3_next`` with one MTP layer
+for vLLM's ``mtp`` speculative decoding: random ``mtp.*`` weights, a full-attention MoE
+layer like the target's)."""
 
 VOCAB_SIZE = 512
 HEAD_DIM = 64
 
 
-def _qwen3_next_config(repeats: int = 1) -> Any:
+def _qwen3_next_config(repeats: int = 1, mtp: bool = False) -> Any:
     from transformers import Qwen3NextConfig
 
     num_layers = 4 * repeats
+    # vLLM numbers the MTP layer 0 and builds it as MoE only if layer 0 is not dense.
+    dense = [i for i in range(num_layers) if i % 4 != 3 and not (mtp and i == 0)]
+    extra = {"num_nextn_predict_layers": 1} if mtp else {}
     return Qwen3NextConfig(
+        **extra,
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
@@ -53,7 +67,7 @@ def _qwen3_next_config(repeats: int = 1) -> Any:
         linear_num_value_heads=2,
         # vLLM's Qwen3-Next needs at least one MoE layer (on every pipeline stage): the
         # last of every 4; the rest are dense.
-        mlp_only_layers=[i for i in range(num_layers) if i % 4 != 3],
+        mlp_only_layers=dense,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
@@ -267,6 +281,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next_config,
     # Two pipeline stages of 4 layers each hold GDN and attention layers.
     "qwen3_next_8": lambda: _qwen3_next_config(repeats=2),
+    "qwen3_next_mtp": lambda: _qwen3_next_config(mtp=True),
     "nemotron_h": _nemotron_h_config,
     "qwen3_5": _qwen3_5_config,
     "falcon_h1": _falcon_h1_config,
@@ -292,7 +307,32 @@ def write_tiny_hybrid_model(path: str | Path, family: str = "qwen3_next", seed: 
     make_context_sensitive(model, family)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
+    if getattr(cfg, "num_nextn_predict_layers", 0):
+        _write_mtp_layer(out, cfg.hidden_size, cfg.layer_types.index("full_attention"), seed)
     return out
+
+
+def _write_mtp_layer(out: Path, hidden: int, attention_layer: int, seed: int) -> None:
+    """Qwen3-Next's MTP weights as vLLM's ``Qwen3NextMTP`` loads them, in their own file:
+    the decoder layer is a copy of the target's full-attention MoE layer, the projection of
+    [embedding; hidden state] is random, the norms are zero-centred (weight 0: scale 1)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(out / "model.safetensors"))
+    source = f"model.layers.{attention_layer}."
+    mtp = {
+        "mtp.layers.0." + name[len(source) :]: tensor.clone()
+        for name, tensor in weights.items()
+        if name.startswith(source)
+    }
+    gen = torch.Generator().manual_seed(seed + 1)
+    mtp["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen) * 0.05).to(
+        torch.bfloat16
+    )
+    for norm in ("pre_fc_norm_hidden", "pre_fc_norm_embedding", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
+    save_file(mtp, str(out / "mtp.safetensors"), metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:
