@@ -85,7 +85,7 @@ HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
         True,
         pytest.param(
             False,
-            marks=slow_e2e("'none' mode, which the Qwen3-Next and Nemotron-H pairs also run"),
+            marks=slow_e2e("'none' mode, which the Nemotron-H and the spec-decode pairs also run"),
             id="no_caching",
         ),
     ],

@@ -78,8 +78,8 @@ def test_e2e_mtp_speculative_decoding(tmp_path: Path) -> None:
     """vLLM's MTP speculative decoding (one token) on a Qwen3-Next with a random MTP layer:
     the MTP layer has the target attention's spec, so it shares that group's pool (2
     attention layers in one group); the GDN pool holds 8 x (1 + 1) states plus its null
-    block; outputs token-identical to the stock pool with MTP, both engines drafted, and
-    more token capacity."""
+    block; outputs token-identical to the stock pool with MTP, both engines drafted and
+    accepted the same drafts, and more token capacity."""
     from tests.support.tiny_model import write_tiny_hybrid_model
 
     model = write_tiny_hybrid_model(tmp_path / "model", "qwen3_next_mtp")
@@ -96,6 +96,10 @@ def test_e2e_mtp_speculative_decoding(tmp_path: Path) -> None:
     assert re.search(r"group 1 FullAttentionSpec x2 layers", log), "MTP layer not in the pool"
     for run in (stock, ours):
         assert run["metrics"]["spec_draft_tokens"] > 0
+    # A few drafts are accepted (this seed's MTP layer: 2 of 186), the same in both engines:
+    # the path where accepted tokens advance both pools ran.
+    accepted = ours["metrics"]["spec_accepted_tokens"]
+    assert accepted > 0 and accepted == stock["metrics"]["spec_accepted_tokens"]
     assert ours["capacity"]["kv_cache_size_tokens"] > stock["capacity"]["kv_cache_size_tokens"]
 
 
