@@ -48,6 +48,10 @@ def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path:
 
 
 @pytest.mark.e2e
+@slow_e2e(
+    "'align' mode evicting and reusing cached blocks, which the per-group offload runs "
+    "(24-block pools, two waves) do too"
+)
 def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """Prefix caching ('align' mode), a 20-block attention pool and one request at a
     time: cached prefixes are evicted and hit across two waves, no preemption."""
