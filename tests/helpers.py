@@ -536,10 +536,13 @@ def run_engines(
     workdir: Path,
     runs: dict[str, tuple[str, bool, list[str]]],
     models: dict[str, Path] | None = None,
+    cpu_bind: str | None = None,
+    timeout: float = TIMEOUT_S,
 ) -> dict[str, dict[str, Any]]:
     """Start one engine per entry of ``runs`` ({name: (backend, per-group pools on,
-    engine_run arguments)}) at once, one CPU core each when there are two; wait for all of
-    them, then check that each exited cleanly without vLLM ERROR lines. Each serves
+    engine_run arguments)}) at once, one CPU core each when there are two (``cpu_bind``:
+    this binding for every engine instead, e.g. ``"0|1"``, one core per worker); wait for
+    all of them, then check that each exited cleanly without vLLM ERROR lines. Each serves
     ``model`` unless ``models`` names another for it. Returns {name: engine_run's JSON
     result, plus ``log_text``}."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -551,15 +554,15 @@ def run_engines(
             backend,
             workdir / f"{name}.json",
             extra,
-            timeout=TIMEOUT_S,
-            cpu_bind=core if two_cores else None,
+            timeout=timeout,
+            cpu_bind=cpu_bind if cpu_bind is not None else core if two_cores else None,
             per_group=per_group,
         )
         procs[name] = subprocess.Popen(cmd, cwd=ROOT)
     codes = {}
     for name, proc in procs.items():  # wait for all before judging any
         try:
-            codes[name] = proc.wait(timeout=TIMEOUT_S + 60)
+            codes[name] = proc.wait(timeout=timeout + 60)
         except subprocess.TimeoutExpired:
             proc.kill()
             codes[name] = proc.wait()
@@ -583,9 +586,11 @@ def run_pair(
     workdir: Path,
     extra: list[str],
     own: dict[str, list[str]] | None = None,
+    **engines: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Run the stock and the per-group engine on the same workload; ``own`` adds
-    arguments for one of them (``"stock"`` or ``"per_group"``, e.g. its pool size)."""
+    """Run the stock and the per-group engine on the same workload, side by side; ``own``
+    adds arguments for one of them (``"stock"`` or ``"per_group"``, e.g. its pool size);
+    ``engines``: :func:`run_engines`' ``cpu_bind`` and ``timeout``."""
     own = own or {}
     return run_engines(
         model,
@@ -594,6 +599,7 @@ def run_pair(
             "stock": ("vllm", False, [*extra, *own.get("stock", [])]),
             "per_group": ("rust", True, [*extra, *own.get("per_group", [])]),
         },
+        **engines,
     )
 
 

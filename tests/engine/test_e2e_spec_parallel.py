@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.helpers import check_pair, run_pair
-from tests.support.engine_run import ROOT, engine_run_command
 
 SMALL = [
     "--no-prefix-caching",
@@ -103,37 +100,6 @@ def test_e2e_mtp_speculative_decoding(tmp_path: Path) -> None:
     assert ours["capacity"]["kv_cache_size_tokens"] > stock["capacity"]["kv_cache_size_tokens"]
 
 
-def _run_parallel_pair(
-    model: Path, workdir: Path, extra: list[str], cpu_bind: str
-) -> dict[str, dict[str, Any]]:
-    """Stock and per-group pools side by side, each engine's workers bound to both cores
-    (``cpu_bind``: one core per worker): the shape `check_pair` reads. Started together,
-    each engine's waits (worker start-up, collective set-up) overlap the other's work."""
-    procs = {}
-    for name, backend, per_group in (("stock", "vllm", False), ("per_group", "rust", True)):
-        out = workdir / f"{name}.json"
-        cmd = engine_run_command(model, backend, out, extra, timeout=TIMEOUT_S, per_group=per_group)
-        procs[name] = (subprocess.Popen([*cmd, "--cpu-bind", cpu_bind], cwd=ROOT), out)
-    codes = {}
-    for name, (proc, _) in procs.items():  # wait for both before judging either
-        try:
-            codes[name] = proc.wait(timeout=TIMEOUT_S + 60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes[name] = proc.wait()
-    results = {}
-    for name, (_, out) in procs.items():
-        log = out.with_suffix(".log")
-        text = log.read_text(errors="replace") if log.exists() else "(no log)"
-        rc = codes[name]
-        assert rc == 0 and out.exists(), f"{name} engine run failed (exit {rc}):\n{text[-6000:]}"
-        result = json.loads(out.read_text())
-        assert not result["error_lines"], "\n".join(result["error_lines"])
-        result["log_text"] = text
-        results[name] = result
-    return results
-
-
 @pytest.mark.e2e
 def test_e2e_tensor_parallel_2(qwen3_next: Path, tmp_path: Path) -> None:
     """Two tensor-parallel workers (one core each): both hold every layer, one sizing
@@ -141,7 +107,7 @@ def test_e2e_tensor_parallel_2(qwen3_next: Path, tmp_path: Path) -> None:
     extra = [*SMALL, "--max-tokens", "32"]
     extra += ["--engine-arg", "tensor_parallel_size=2"]
     extra += ["--engine-arg", "distributed_executor_backend=mp"]
-    pair = _run_parallel_pair(qwen3_next, tmp_path, extra, "0|1")
+    pair = run_pair(qwen3_next, tmp_path, extra, cpu_bind="0|1", timeout=TIMEOUT_S)
     check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
     stock, ours = pair["stock"]["capacity"], pair["per_group"]["capacity"]
     assert ours["kv_cache_size_tokens"] > stock["kv_cache_size_tokens"]
@@ -163,7 +129,7 @@ def test_e2e_pipeline_parallel_2(tmp_path: Path) -> None:
     extra += ["--engine-arg", 'compilation_config={"backend": "eager"}']
     extra += ["--engine-arg", "pipeline_parallel_size=2"]
     extra += ["--engine-arg", "distributed_executor_backend=mp"]
-    pair = _run_parallel_pair(model, tmp_path, extra, "0|1")
+    pair = run_pair(model, tmp_path, extra, cpu_bind="0|1", timeout=TIMEOUT_S)
     check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
     stock, ours = pair["stock"]["capacity"], pair["per_group"]["capacity"]
     assert ours["kv_cache_size_tokens"] > stock["kv_cache_size_tokens"]

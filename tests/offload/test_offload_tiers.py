@@ -124,12 +124,18 @@ def test_host_copies_land_in_the_shared_region(blocks_per_chunk: int) -> None:
 
 
 # ------------------------------------------------------------ file naming
-def _file_mapper(offloading_config: Any, root: Path) -> Any:
+def _file_mapper(offloading_config: Any, root: Path, stock: bool = False) -> Any:
+    """vLLM's FileMapper for a spec with ``offloading_config``: as the hooks build it, or
+    (``stock``) by vLLM's own builder behind the installed hook."""
     from types import SimpleNamespace
 
     from vllm.v1.kv_offload.file_mapper import FileMapper
 
-    return FileMapper.from_offloading_spec(str(root), SimpleNamespace(config=offloading_config))
+    spec = SimpleNamespace(config=offloading_config)
+    if not stock:
+        return FileMapper.from_offloading_spec(str(root), spec)
+    build = offload.stock(offload_tiers.FILE_MAPPER_MODULE, "FileMapper", "from_offloading_spec")
+    return build.__func__(FileMapper, str(root), spec)
 
 
 def test_files_name_the_per_group_layout(hooked: None, tmp_path: Path) -> None:
@@ -147,16 +153,10 @@ def test_files_name_the_per_group_layout(hooked: None, tmp_path: Path) -> None:
     offload.install()
     plain = stock_build(offload_vllm_config(), plain_config())
     assert offload_tiers.LAYOUT_KEY not in plain.extra_config
-    assert _file_mapper(plain, tmp_path).base_path == _stock_mapper(plain, tmp_path).base_path
-
-
-def _stock_mapper(offloading_config: Any, root: Path) -> Any:
-    from types import SimpleNamespace
-
-    from vllm.v1.kv_offload.file_mapper import FileMapper
-
-    stock = offload.stock(offload_tiers.FILE_MAPPER_MODULE, "FileMapper", "from_offloading_spec")
-    return stock.__func__(FileMapper, str(root), SimpleNamespace(config=offloading_config))
+    assert (
+        _file_mapper(plain, tmp_path).base_path
+        == _file_mapper(plain, tmp_path, stock=True).base_path
+    )
 
 
 def test_a_directory_of_other_settings_is_refused(hooked: None, tmp_path: Path) -> None:

@@ -358,7 +358,7 @@ def engine_run_command(
     *,
     timeout: float,
     quiet: bool = True,
-    cpu_bind: int | None = None,
+    cpu_bind: int | str | None = None,
     per_group: bool | None = None,
 ) -> list[str]:
     """The ``engine_run`` command line for one backend (the demo and the e2e tests);
