@@ -6,6 +6,12 @@
 * ``HYBRID_ALLOC_PER_GROUP_POOLS``: with the Rust backend, whether hybrid models get one pool
   per KV-cache group (default on; ``0`` keeps the Rust pool a drop-in for vLLM's one shared
   pool).
+* ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX``: on vLLM 0.32 CPU platforms, whether the plugin corrects
+  the GDN speculative-decoding conv history (default on; :mod:`hybrid_alloc.integration.
+  cpu_gdn_spec`). Applied with both backends, so they run the same kernel.
+
+Any other ``HYBRID_ALLOC_*`` variable is refused at startup (:func:`check_environment`): a
+misspelt switch would otherwise leave its setting on the default without a word.
 """
 
 from __future__ import annotations
@@ -20,6 +26,19 @@ DEFAULT_BACKEND = "rust"
 PER_GROUP_ENV_VAR = "HYBRID_ALLOC_PER_GROUP_POOLS"
 _TRUE = ("", "1", "true", "yes", "on")  # unset or empty: on
 _FALSE = ("0", "false", "no", "off")
+
+CPU_GDN_SPEC_FIX_ENV_VAR = "HYBRID_ALLOC_CPU_GDN_SPEC_FIX"
+
+PREFIX = "HYBRID_ALLOC_"
+SWITCHES = (ENV_VAR, PER_GROUP_ENV_VAR, CPU_GDN_SPEC_FIX_ENV_VAR)
+# Read by the project's own scripts and tests (setup_env.sh, test.sh, conftest), not by the
+# plugin; they reach engine processes started by the tests, so they are not refused.
+TOOLING = (
+    "HYBRID_ALLOC_VENV",
+    "HYBRID_ALLOC_VENV_033",
+    "HYBRID_ALLOC_SLOW_E2E",
+    "HYBRID_ALLOC_HYPOTHESIS_PROFILE",
+)
 
 
 def backend_is_explicit(environ: Mapping[str, str] | None = None) -> bool:
@@ -52,10 +71,48 @@ def per_group_pools_enabled(environ: Mapping[str, str] | None = None) -> bool:
     Raises:
         ValueError: a value that is neither true-ish nor false-ish.
     """
+    return _switch(PER_GROUP_ENV_VAR, environ)
+
+
+def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX`` leaves the CPU GDN fix on (unset: on).
+
+    Raises:
+        ValueError: a value that is neither true-ish nor false-ish.
+    """
+    return _switch(CPU_GDN_SPEC_FIX_ENV_VAR, environ)
+
+
+def _switch(name: str, environ: Mapping[str, str] | None) -> bool:
     env = os.environ if environ is None else environ
-    value = env.get(PER_GROUP_ENV_VAR, "").strip().lower()
+    raw = env.get(name, "")
+    value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{PER_GROUP_ENV_VAR}={value!r}: expected one of {_TRUE[1:] + _FALSE}")
+    raise ValueError(
+        f"{name}={raw!r} is not understood; valid values are: "
+        + ", ".join(_TRUE[1:] + _FALSE)
+        + " (unset or empty: on)"
+    )
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse unknown ``HYBRID_ALLOC_*`` variables and bad switch values, all at once.
+
+    Raises:
+        ValueError: naming the variable, its value and what is accepted.
+    """
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in SWITCHES + TOOLING)
+    if unknown:
+        raise ValueError(
+            "unknown hybrid_alloc setting(s) "
+            + ", ".join(f"{k}={env[k]!r}" for k in unknown)
+            + "; the switches are: "
+            + ", ".join(SWITCHES)
+        )
+    selected_backend(env)
+    per_group_pools_enabled(env)
+    cpu_gdn_spec_fix_enabled(env)

@@ -180,6 +180,27 @@ def per_group_canonical_caches(
     return base.CanonicalKVCaches(tensors=tensors, group_data_refs=group_refs)
 
 
+def _sized_spec_init(stock: Callable[..., None]) -> Callable[..., None]:
+    """``CPUOffloadingSpec.__init__`` that refuses a host size below one chunk: vLLM sizes
+    ``num_chunks`` by floor division and would run with no host tier at all."""
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        stock(self, config, *args, **kwargs)
+        if config.worker_kv_bytes_per_block > 0 and self.num_chunks == 0:
+            size = int(self.extra_config.get("cpu_bytes_to_use") or 0)
+            need = int(self.kv_bytes_per_chunk)
+            raise ValueError(
+                f"KV offloading: cpu_bytes_to_use={size} B (kv_offloading_size="
+                f"{size / (1 << 30):.6g} GiB) is below one offloaded chunk of {need} B "
+                f"(one block of every offloaded KV-cache group, groups "
+                f"{', '.join(str(g.group_id) for g in config.groups)}, x "
+                f"{self.blocks_per_chunk} block(s) per chunk, for every worker); set "
+                f"kv_offloading_size to at least {need / (1 << 30):.6g} GiB"
+            )
+
+    return __init__
+
+
 def _per_group_register_kv_caches(stock: Callable[..., None]) -> Callable[..., None]:
     def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
         config = self.kv_cache_config
@@ -660,6 +681,7 @@ _HOOKS: tuple[tuple[str, str | None, str, Callable[[Any], Any]], ...] = (
         _per_group_register_kv_caches,
     ),
     (_CPU_SPEC_MODULE, "CPUOffloadingSpec", "get_worker", _host_copy_get_worker),
+    (_CPU_SPEC_MODULE, "CPUOffloadingSpec", "__init__", _sized_spec_init),
     (_WORKER_MODULE, "OffloadingConnectorWorker", "get_finished", _failure_aware_get_finished),
     (_CONNECTOR_MODULE, "OffloadingConnector", "get_transfer_results", _with_failed_receives),
     (

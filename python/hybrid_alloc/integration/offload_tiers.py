@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +94,20 @@ def check_run_config(mapper: Any) -> None:
         )
 
 
+def check_writable(root_dir: str) -> None:
+    """Refuse, at startup, a tier directory this process cannot create or write a file in:
+    vLLM's tier threads would otherwise fail every store later, one log line at a time."""
+    try:
+        os.makedirs(root_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root_dir, prefix=".hybrid_alloc_probe_"):
+            pass
+    except OSError as e:
+        raise RuntimeError(
+            f"KV offload filesystem tier: root_dir {root_dir!r} cannot be written "
+            f"({type(e).__name__}: {e}); point the tier's root_dir at a writable directory"
+        ) from e
+
+
 def layout_named_file_mapper(stock: Any) -> Any:
     """``FileMapper.from_offloading_spec`` whose fields also name a per-group host layout
     and which refuses a directory written under other fields."""
@@ -101,6 +116,7 @@ def layout_named_file_mapper(stock: Any) -> Any:
     def from_offloading_spec(
         cls: Any, root_dir: str, offloading_spec: Any, *args: Any, **kwargs: Any
     ) -> Any:
+        check_writable(root_dir)
         mapper = build(cls, root_dir, offloading_spec, *args, **kwargs)
         layout = offloading_spec.config.extra_config.get(LAYOUT_KEY)
         if layout is not None:

@@ -22,6 +22,7 @@ from hybrid_alloc.integration import versions
 from hybrid_alloc.settings import (
     ENV_VAR,
     backend_is_explicit,
+    check_environment,
     per_group_pools_enabled,
     selected_backend,
 )
@@ -51,7 +52,8 @@ def register() -> None:
             hybrid_alloc was not tested against.
     """
     global _active
-    backend = selected_backend()  # raises ValueError, failing startup, on a bad value
+    check_environment()  # raises ValueError, failing startup, on an unknown name or value
+    backend = selected_backend()
     per_group = per_group_pools_enabled() and backend == "rust"
     version = versions.installed_version()
     if backend == "rust" and not versions.is_supported(version):
@@ -67,6 +69,7 @@ def register() -> None:
         integration.install(per_group_pools=per_group)
     else:
         integration.uninstall()
+    _install_cpu_gdn_spec_fix()
     if _active == backend:
         return
     _active = backend
@@ -78,6 +81,24 @@ def register() -> None:
         version,
         ", per-group pools on" if per_group else "",
     )
+
+
+def _install_cpu_gdn_spec_fix() -> None:
+    """vLLM 0.32's CPU GDN speculative-decoding fix (:mod:`.cpu_gdn_spec`), with either pool
+    backend: tokens must not depend on which state block a pool hands out."""
+    from hybrid_alloc.integration import cpu_gdn_spec
+    from hybrid_alloc.settings import CPU_GDN_SPEC_FIX_ENV_VAR, cpu_gdn_spec_fix_enabled
+
+    if not cpu_gdn_spec_fix_enabled():
+        cpu_gdn_spec.uninstall()
+        return
+    if not cpu_gdn_spec.is_installed() and cpu_gdn_spec.install():
+        logger.info(
+            "hybrid_alloc: vLLM %s CPU GDN speculative decoding: conv history of rows "
+            "shorter than 1 + num_speculative_tokens corrected (%s=0 leaves vLLM's)",
+            versions.installed_version(),
+            CPU_GDN_SPEC_FIX_ENV_VAR,
+        )
 
 
 def active_backend() -> str | None:

@@ -28,6 +28,9 @@ class VllmRelease:
     past the block)."""
     tp_replicas_module: str
     """Module that defines ``kv_cache_groups_tp_replicas``."""
+    cpu_gdn_spec_history_fix: bool
+    """Whether the CPU GDN speculative path keeps the wrong conv history for rows shorter
+    than ``1 + num_speculative_tokens`` (fixed in 0.33; :mod:`.cpu_gdn_spec`)."""
 
 
 SUPPORTED: dict[str, VllmRelease] = {
@@ -37,6 +40,7 @@ SUPPORTED: dict[str, VllmRelease] = {
         sizing_takes_global_groups=False,
         hash_lookahead=False,
         tp_replicas_module="vllm.v1.core.kv_cache_utils",
+        cpu_gdn_spec_history_fix=True,
     ),
     "0.33.0": VllmRelease(
         version="0.33.0",
@@ -44,6 +48,7 @@ SUPPORTED: dict[str, VllmRelease] = {
         sizing_takes_global_groups=True,
         hash_lookahead=True,
         tp_replicas_module="vllm.v1.core.kv_cache_planning",
+        cpu_gdn_spec_history_fix=False,
     ),
 }
 

@@ -1,0 +1,132 @@
+"""The CPU GDN speculative path as the plugin leaves it (vLLM 0.32: with
+:mod:`hybrid_alloc.integration.cpu_gdn_spec` installed; 0.33: vLLM's own): whatever a state
+block held before (another request's history, as a reused block of any pool holds), each
+step reads the request's own conv history.
+
+The ``_spec_forward`` the plugin leaves runs on real CPU tensors; only vLLM's SSM kernel is
+replaced by a stand-in that hands back the conv output, so each step's conv is checked too.
+Without the correction, vLLM 0.32 fails these tests: after a step shorter than
+``1 + num_speculative_tokens`` (an n-gram request with no match) the next step reads
+columns the request never wrote, and a short step after an accepted draft crashes. This
+is the bug that made per-group pools' tokens differ from stock's under n-gram speculation
+(issue 18).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+WIDTH = 4
+DIM = 6
+
+
+@pytest.fixture(scope="module")
+def spec_forward() -> Iterator[Any]:
+    """``_spec_forward`` as the plugin leaves it in this process."""
+    from hybrid_alloc.integration import cpu_gdn_spec
+
+    try:
+        module = importlib.import_module(cpu_gdn_spec.MODULE)
+    except Exception as e:  # a vLLM build without the CPU GDN ops
+        pytest.skip(f"{cpu_gdn_spec.MODULE} does not import: {e}")
+    cpu_gdn_spec.install()
+    try:
+        yield module
+    finally:
+        cpu_gdn_spec.uninstall()
+
+
+class _StubOps:
+    """Stands in for vLLM's CPU SSM kernel: hands back the conv output it was given (as
+    ``v``), so that the test sees what the conv computed."""
+
+    @staticmethod
+    def fused_sigmoid_gating_delta_rule_update_spec_cpu(*, v: Any, **_: Any) -> Any:
+        return v.clone()
+
+
+def _layer() -> Any:
+    gen = torch.Generator().manual_seed(0)
+    conv1d = SimpleNamespace(
+        weight=torch.randn(DIM, 1, WIDTH, generator=gen), bias=torch.randn(DIM, generator=gen)
+    )
+    return SimpleNamespace(
+        conv1d=conv1d,
+        activation="silu",
+        A_log=None,
+        dt_bias=None,
+        rearrange_mixed_qkv=lambda x: (x[None], x[None], x[None]),
+    )
+
+
+def _run(
+    module: Any, num_spec: int, steps: list[tuple[int, int]], seed: int, monkeypatch: Any
+) -> None:
+    """One request in state slot 3 of 5, whose slot first holds noise (an earlier owner's
+    history) except for the ``WIDTH - 1`` columns its prefill wrote; then ``steps`` of
+    (tokens this step, tokens accepted). Before each step the columns the step reads must
+    be the request's last ``WIDTH - 1`` accepted inputs."""
+    monkeypatch.setattr(module, "ops", _StubOps)
+    gen = torch.Generator().manual_seed(seed)
+    state_len = WIDTH - 1 + num_spec
+    conv_buf = torch.randn(5, DIM, state_len, generator=gen)  # stale everywhere
+    history = torch.randn(DIM, WIDTH - 1, generator=gen)
+    conv_buf[3][:, : WIDTH - 1] = history  # what the request's prefill wrote
+    slots = torch.tensor([[3, *range(4, 4 + num_spec)]]) % 5
+    accepted = 1
+    layer = _layer()
+    for i, (q, keep) in enumerate(steps):
+        offset = accepted - 1
+        read = conv_buf[3][:, offset : offset + WIDTH - 1]
+        assert torch.equal(read, history), f"step {i}: read columns the request never wrote"
+        x = torch.randn(q, DIM, generator=gen)
+        metadata = SimpleNamespace(
+            num_spec_decodes=1,
+            spec_state_indices_tensor=slots,
+            spec_query_start_loc=torch.tensor([0, q]),
+            num_accepted_tokens=torch.tensor([accepted]),
+        )
+        out = module._spec_forward(layer, metadata, x, x, x, conv_buf, None, WIDTH, state_len)
+        # This step's conv: the request's history followed by its inputs.
+        want = torch.nn.functional.conv1d(
+            torch.cat([history, x.transpose(0, 1)], dim=-1)[None],
+            layer.conv1d.weight,
+            layer.conv1d.bias,
+            groups=DIM,
+        )[0]
+        torch.testing.assert_close(out, torch.nn.functional.silu(want).transpose(0, 1))
+        # The accepted inputs x[0..keep) join the history the next step must read.
+        history = torch.cat([history, x[:keep].transpose(0, 1)], dim=-1)[:, -(WIDTH - 1) :]
+        accepted = keep
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_short_step_then_full_step(spec_forward: Any, num_spec: int, monkeypatch: Any) -> None:
+    """An n-gram request without a match (one token), then drafts: the second step must
+    read the history the first step left (vLLM 0.32 alone reads stale columns here)."""
+    full = 1 + num_spec
+    _run(spec_forward, num_spec, [(1, 1), (full, 1), (1, 1), (full, full), (1, 1)], 1, monkeypatch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_spec=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_random_steps(spec_forward: Any, num_spec: int, seed: int, data: st.DataObject) -> None:
+    """Any mix of short and full steps and accepted counts: every step reads exactly the
+    request's own last inputs, never what an earlier owner of the slot left."""
+    step = st.integers(1, 1 + num_spec).flatmap(lambda q: st.tuples(st.just(q), st.integers(1, q)))
+    steps = data.draw(st.lists(step, min_size=1, max_size=8))
+    with pytest.MonkeyPatch.context() as m:
+        _run(spec_forward, num_spec, steps, seed, m)

@@ -1,0 +1,81 @@
+"""Startup refuses settings it does not understand: unknown ``HYBRID_ALLOC_*`` names and
+switch values, through the plugin's entry point as vLLM calls it (before anything is
+installed), each message naming the variable, its value and what is accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_alloc import settings
+from hybrid_alloc.integration import plugin
+
+SWITCH_PARSERS = {
+    settings.PER_GROUP_ENV_VAR: settings.per_group_pools_enabled,
+    settings.CPU_GDN_SPEC_FIX_ENV_VAR: settings.cpu_gdn_spec_fix_enabled,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWITCH_PARSERS))
+def test_on_off_switches(name: str) -> None:
+    parse = SWITCH_PARSERS[name]
+    assert parse({}) and parse({name: ""}) and parse({name: " On "}) and parse({name: "1"})
+    assert not parse({name: "0"}) and not parse({name: "FALSE"}) and not parse({name: "off"})
+    with pytest.raises(ValueError) as err:
+        parse({name: "maybe"})
+    message = str(err.value)
+    assert name in message and "'maybe'" in message
+    assert all(v in message for v in ("1", "true", "0", "false", "off"))
+
+
+def test_environment_with_only_known_names_passes() -> None:
+    env = {
+        settings.ENV_VAR: "vllm",
+        settings.PER_GROUP_ENV_VAR: "0",
+        settings.CPU_GDN_SPEC_FIX_ENV_VAR: "1",
+        "HYBRID_ALLOC_SLOW_E2E": "1",
+        "HYBRID_ALLOC_VENV": "/somewhere",
+        "VLLM_OTHER": "anything",
+    }
+    settings.check_environment(env)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"HYBRID_ALLOC_PER_GROUP_POOL": "0"}, "HYBRID_ALLOC_PER_GROUP_POOL='0'"),
+        ({"HYBRID_ALLOC_BACKEND": "rust", "HYBRID_ALLOC_BAKEND": "vllm"}, "HYBRID_ALLOC_BAKEND"),
+        ({settings.ENV_VAR: "python"}, "'python'"),
+        ({settings.PER_GROUP_ENV_VAR: "2"}, settings.PER_GROUP_ENV_VAR),
+        ({settings.CPU_GDN_SPEC_FIX_ENV_VAR: "auto"}, settings.CPU_GDN_SPEC_FIX_ENV_VAR),
+    ],
+)
+def test_bad_environment_is_refused(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ValueError, match="HYBRID_ALLOC_") as err:
+        settings.check_environment(env)
+    assert named in str(err.value)
+    if "is not understood" not in str(err.value) and "known backend" not in str(err.value):
+        # An unknown name: the message lists the switches there are.
+        assert all(s in str(err.value) for s in settings.SWITCHES)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HYBRID_ALLOC_PERGROUP_POOLS": "0"},
+        {settings.PER_GROUP_ENV_VAR: "maybe"},
+        {settings.CPU_GDN_SPEC_FIX_ENV_VAR: "yes please"},
+    ],
+)
+def test_plugin_refuses_at_startup(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """vLLM's plugin loader calls ``register``: a bad setting fails it before any hook is
+    installed or removed."""
+    from hybrid_alloc import integration
+    from hybrid_alloc.integration import cpu_gdn_spec
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = (integration.installed(), cpu_gdn_spec.is_installed(), plugin.active_backend())
+    with pytest.raises(ValueError, match=next(iter(env))):
+        plugin.register()
+    after = (integration.installed(), cpu_gdn_spec.is_installed(), plugin.active_backend())
+    assert after == before
