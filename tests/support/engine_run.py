@@ -189,6 +189,11 @@ def _child_main(args: argparse.Namespace) -> int:
         except ValueError:
             engine_kwargs[key] = value
 
+    # vLLM's CPU platform stores GDN states in float32 on CPUs with AVX-512 BF16 and in the
+    # model's dtype elsewhere ('auto'), which changes page and block sizes, and with them
+    # pools and prefix hits, from one CI machine to the next. The model's dtype everywhere.
+    engine_kwargs.setdefault("mamba_ssm_cache_dtype", engine_kwargs["dtype"])
+
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)
     startup_s = time.perf_counter() - t0
