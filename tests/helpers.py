@@ -631,6 +631,61 @@ def check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: boo
         assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
 
 
+def _resumes(run: dict[str, Any]) -> dict[int, list[list[int]]]:
+    """{request (workload order): [[outputs, computed tokens] at each resumption]}, as the
+    probe in the engine core recorded them."""
+    state = run["probe"]["before_reset"]
+    return {int(k): v for k, v in state["resumed"].items()}
+
+
+def replay_prompts(run: dict[str, Any]) -> list[list[int]]:
+    """Each request's prompt followed by the tokens it had generated when it last resumed
+    after a preemption (none if it never did)."""
+    resumes = _resumes(run)
+    return [
+        prompt + outputs[: resumes[i][-1][0] if i in resumes else 0]
+        for i, (prompt, outputs) in enumerate(zip(run["prompts"], run["outputs"], strict=True))
+    ]
+
+
+def check_recompute_replay(
+    stock: dict[str, Any], run: dict[str, Any], replay: dict[str, Any]
+) -> int:
+    """The exact oracle for a run that preempts (issue 18). A preempted request that had
+    generated ``k`` tokens resumes by recomputing its prompt and those ``k`` tokens as a
+    prefill, which rounds differently (bf16) from the one-token decode steps an
+    uninterrupted run took: vLLM's own pool diverges from itself that way. So:
+
+    * a request never resumed with outputs gives stock's uninterrupted tokens;
+    * its tokens before the first resumption with outputs are stock's too;
+    * its tokens after its last resumption are exactly those of ``replay``, an engine on
+      stock's pool that got the prompt plus those ``k`` tokens as its prompt
+      (:func:`replay_prompts`) and did not preempt.
+
+    Preconditions, asserted: each request resumed with outputs at most at one ``k``, and
+    its recompute started within the prompt (no prefix-cache hit on a block the decode
+    steps filled). Returns the number of requests resumed with outputs."""
+    assert replay["metrics"]["preemptions"] == 0, replay["metrics"]
+    assert replay["prompts"] == replay_prompts(run), "the replay ran other prompts"
+    resumes = _resumes(run)
+    recomputed = 0
+    for i, (prompt, ours, theirs, again) in enumerate(
+        zip(run["prompts"], run["outputs"], stock["outputs"], replay["outputs"], strict=True)
+    ):
+        ks = sorted({k for k, _ in resumes.get(i, []) if k > 0})
+        if not ks:
+            assert ours == theirs, f"request {i}: never resumed with outputs"
+            continue
+        assert len(ks) == 1, f"request {i} resumed after outputs {ks}: the oracle needs one"
+        (k,) = ks
+        starts = [start for n, start in resumes[i] if n == k]
+        assert max(starts) <= len(prompt), f"request {i}: recompute from {starts}"
+        assert ours[:k] == theirs[:k], f"request {i}: differs before its preemption"
+        assert ours[k:] == again[: len(ours) - k], f"request {i}: not its replay's tokens"
+        recomputed += 1
+    return recomputed
+
+
 def fake_vllm_config(
     mode: str = "none",
     max_num_seqs: int = 16,

@@ -26,7 +26,14 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import POOL_SET, RUST_POOL, STOCK_POOL, run_engines
+from tests.helpers import (
+    POOL_SET,
+    RUST_POOL,
+    STOCK_POOL,
+    check_recompute_replay,
+    replay_prompts,
+    run_engines,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -81,6 +88,9 @@ def _check_offloaded(stock: dict[str, Any], ours: dict[str, Any], pool: str) -> 
     state = ours["probe"]["before_reset"]
     assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
 
+
+# Runs whose small device pool preempts requests after they generated tokens.
+PREEMPTING = ("restarted_preempting", "drop_in_preempting")
 
 # Injected load failures: run -> KV-cache groups whose blocks the failing load tears. With
 # per-group pools the tiny Qwen3-Next has group 0 = GDN state ('align' mode), 1 = full
@@ -175,7 +185,27 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
             [*WORKLOAD, *common, *OFFLOAD, "--num-gpu-blocks", "8", *_fs_tier(nemotron_root)],
         )
     }
-    results.update(run_engines(nemotron, workdir, third))
+    # The issue-18 schedules, both preempting requests that have generated tokens: a
+    # per-group restart over the Qwen3-Next files with a 12-block device pool, and the
+    # drop-in pool offloading with 20 blocks (bf16 GDN: held to the recompute replay).
+    third.update(
+        {
+            "restarted_preempting": (
+                "rust",
+                True,
+                [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "12", *_fs_tier(fs_root)],
+            ),
+            "drop_in_preempting": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "20"]),
+        }
+    )
+    results.update(run_engines(nemotron, workdir, third, {name: model for name in PREEMPTING}))
+    # Each preempting run's recompute, replayed on stock's pool (see check_recompute_replay).
+    replays = {}
+    for name in PREEMPTING:
+        prompts = workdir / f"{name}_replay_prompts.json"
+        prompts.write_text(json.dumps([replay_prompts(results[name])]))
+        replays[f"{name}_replay"] = ("vllm", False, [*WORKLOAD, "--prompts", str(prompts)])
+    results.update(run_engines(model, workdir, replays))
     return results
 
 
@@ -257,6 +287,29 @@ def test_offloading_load_failures(offload_runs: dict[str, dict[str, Any]], fault
     assert log.count("injected KV offload load failure") == 1
     assert "offloaded entries dropped from the index" in log
     assert ours["metrics"]["offload_load_bytes"] > 0
+    assert ours["reset_prefix_cache_ok"] is True
+    state = ours["probe"]["before_reset"]
+    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
+
+
+@pytest.mark.parametrize("run", PREEMPTING)
+def test_preemption_after_output_is_recompute(
+    offload_runs: dict[str, dict[str, Any]], run: str
+) -> None:
+    """Issue 18's divergence: a Qwen3-Next (bf16) engine whose device pool is too small for
+    two requests, restarted over the filesystem tier with per-group pools, or the drop-in
+    pool with the CPU tier, preempts requests after they generated tokens. Those requests'
+    later tokens differ from stock's uninterrupted run (vLLM's own pool does the same when it
+    preempts after output: README, "Preemption and recompute"). Every token is still exactly
+    accounted for: stock's before the preemption, and after it exactly what stock's pool
+    generates for the prompt plus the tokens generated so far, which is what vLLM
+    recomputes. A block loaded into the wrong place or a state from another request would
+    break that equality."""
+    ours = offload_runs[run]
+    recomputed = check_recompute_replay(offload_runs["stock"], ours, offload_runs[f"{run}_replay"])
+    assert recomputed > 0, ours["probe"]["before_reset"]["resumed"]
+    metrics = ours["metrics"]
+    assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
     assert ours["reset_prefix_cache_ok"] is True
     state = ours["probe"]["before_reset"]
     assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1

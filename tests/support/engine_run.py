@@ -26,7 +26,8 @@ tells into the child's JSON:
   pid and backend it names and whether it came from the engine-core process;
 * ``reset_prefix_cache_ok``: ``LLM.reset_prefix_cache()`` after the workload (vLLM refuses
   it while any block is held);
-* ``error_lines``: vLLM ERROR/CRITICAL log lines; ``returncode`` of the child.
+* ``error_lines``: vLLM ERROR/CRITICAL log lines; ``returncode`` of the child;
+* ``prompts``: the prompts, in workload order.
 
 The workload is ``--waves`` waves; each wave sends ``--num-prefixes`` x
 ``--prompts-per-prefix`` token-ID prompts. All prompts with the same prefix index share a
@@ -35,7 +36,9 @@ so later prompts hit the prefix cache unless the blocks were evicted in between.
 small ``--num-gpu-blocks`` requests are preempted and cached blocks evicted. The engine
 runs eagerly (no torch.compile) by default and, with ``--wave-gate`` (default), starts each
 wave only once all of it has reached the engine core, so that batches, and with them
-greedy tokens, are the same in every run.
+greedy tokens, are the same in every run. ``--prompts FILE`` replaces the generated
+workload with given waves of token-ID prompts (the recompute replay of
+``tests.helpers.check_recompute_replay``).
 """
 
 from __future__ import annotations
@@ -109,6 +112,25 @@ def build_workload(
     ]
 
 
+def load_prompts(path: Path) -> list[list[list[int]]]:
+    """Waves of token-ID prompts from a JSON file (a list of waves, each a list of
+    prompts, each a list of token IDs), checked so that a bad file fails before vLLM
+    starts."""
+    waves = json.loads(Path(path).read_text())
+    ok = isinstance(waves, list) and all(
+        isinstance(wave, list)
+        and wave
+        and all(
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+            for prompt in wave
+        )
+        for wave in waves
+    )
+    if not ok or not waves:
+        raise ValueError(f"{path}: expected a non-empty list of waves of token-ID lists")
+    return waves
+
+
 # ------------------------------------------------------------------------ child side
 def _metrics_summary(metrics: list[Any]) -> dict[str, Any]:
     """Sum the counters and histogram counts we care about (across label sets)."""
@@ -154,6 +176,8 @@ def _child_main(args: argparse.Namespace) -> int:
         waves=args.waves,
         pattern_len=args.pattern_len,
     )
+    if args.prompts is not None:
+        waves = load_prompts(args.prompts)
     engine_kwargs: dict[str, Any] = {
         "model": str(args.model),
         "skip_tokenizer_init": True,
@@ -237,6 +261,8 @@ def _child_main(args: argparse.Namespace) -> int:
         "metrics": metrics,
         "reset_prefix_cache_ok": reset_ok,
         "outputs": outputs,
+        # The prompts, in workload order: tests.helpers.replay_prompts builds on them.
+        "prompts": [p for w in waves for p in w],
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
     # Shut the engine down now, so that its final probe line reaches the log.
@@ -446,6 +472,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=int, default=640)
     p.add_argument("--suffix-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="JSON file of waves of token-ID prompts, instead of the generated workload",
+    )
     p.add_argument(
         "--pattern-len",
         type=int,

@@ -19,7 +19,10 @@ vLLM's :class:`~vllm.v1.core.sched.scheduler.Scheduler` with two additions:
   ``blocks_digest`` means the pools also handed out the very same blocks. It also sums
   the wall and CPU time spent in ``schedule()`` and ``update_from_output()``, where the
   KV-cache manager and the block pool do their work (``scheduler_wall_s``,
-  ``scheduler_cpu_s``).
+  ``scheduler_cpu_s``). ``resumed`` maps each request that was preempted and resumed (by
+  arrival number) to one ``[output tokens, computed tokens]`` pair per resumption: vLLM
+  recomputes the prompt and those outputs as a prefill (from the prefix-cache hit on),
+  which :func:`tests.helpers.check_recompute_replay` builds on.
 
 * **Wave gate.** With ``additional_config={"hybrid_alloc_wave_sizes": [n1, n2, ...]}`` it
   holds back scheduling until all ``n1`` requests of the first wave have arrived, then
@@ -78,6 +81,8 @@ class ProbeScheduler(Scheduler):
         # Arrival number of each request: IDs may differ between runs, arrival order not.
         self._hybrid_alloc_ordinal: dict[str, int] = {}
         self._hybrid_alloc_steps = 0
+        # Arrival number -> [output tokens, computed tokens] at each resumption.
+        self._hybrid_alloc_resumed: dict[int, list[list[int]]] = {}
         self._hybrid_alloc_schedule_digest = hashlib.sha256()
         self._hybrid_alloc_blocks_digest = hashlib.sha256()
         self._hybrid_alloc_report("init")
@@ -135,6 +140,13 @@ class ProbeScheduler(Scheduler):
         ]
         blocks.sort(key=lambda item: item[0])
         self._hybrid_alloc_blocks_digest.update(repr(blocks).encode())
+        for req_id in getattr(cached, "resumed_req_ids", None) or ():
+            request = self.requests.get(req_id)
+            if request is not None:
+                # Computed before this step: the prefix-cache hit the recompute starts from.
+                start = request.num_computed_tokens - out.num_scheduled_tokens.get(req_id, 0)
+                resumes = self._hybrid_alloc_resumed.setdefault(num(req_id), [])
+                resumes.append([len(request.output_token_ids), start])
         self._hybrid_alloc_steps += 1
 
     # --------------------------------------------------------------------- report
@@ -166,6 +178,7 @@ class ProbeScheduler(Scheduler):
             "scheduler_cpu_s": round(self._hybrid_alloc_sched_cpu, 6),
             "schedule_digest": self._hybrid_alloc_schedule_digest.hexdigest()[:16],
             "blocks_digest": self._hybrid_alloc_blocks_digest.hexdigest()[:16],
+            "resumed": {str(k): v for k, v in sorted(self._hybrid_alloc_resumed.items())},
         }
         if pool is not None:
             state["pool_num_gpu_blocks"] = pool.num_gpu_blocks
