@@ -101,6 +101,25 @@ MUTANTS = (
         "        if not isinstance(block_ids, Mapping):\n            raise TypeError(",
         ("tests/pool_set/test_pool_set.py", "tests/pool_set/test_fuzz_pool_set.py"),
     ),
+    Mutant(
+        "release-live-slab",
+        "the byte budget takes a slab back while a block in it is live",
+        "rust/src/byte_budget.rs",
+        "        if self.live[s as usize] > 0 {\n            return Err(",
+        "        if self.live[s as usize] > u32::MAX - 1 {\n            return Err(",
+        # ByteBudgetMachine.release: "a refused release" (pytest.raises) and the owner check.
+        ("tests/pool_set/test_byte_budget.py",),
+    ),
+    Mutant(
+        "admission-double-count",
+        "admission counts an idle slab's pages for its owner and the slab for everyone",
+        "rust/src/byte_budget.rs",
+        "            .filter(|&s| self.live[s as usize] > 0)\n"
+        "            .map(|s| u64::from(self.pages_per_slab[g] - self.live[s as usize]))",
+        "            .map(|s| u64::from(self.pages_per_slab[g] - self.live[s as usize]))",
+        # ByteBudgetMachine.admit: `fits == model_fits`; the "own free" invariant.
+        ("tests/pool_set/test_byte_budget.py",),
+    ),
 )
 
 

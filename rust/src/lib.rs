@@ -12,6 +12,7 @@
 //!   values to the core's and the core's results and errors back, and holds the Python
 //!   callables the core's notices are delivered to.
 
+pub mod byte_budget;
 pub mod caching;
 pub mod error;
 pub mod free_queue;
@@ -24,6 +25,7 @@ pub mod routing;
 #[cfg(feature = "python")]
 mod binding;
 
+pub use byte_budget::{ByteBudget, OwnerChanges, SlabId};
 pub use caching::{GroupHits, HashSource, PartialCached, PartialEntry, Span};
 pub use error::{OpError, PoolError};
 pub use free_queue::{FreeQueue, QueueCursor};

@@ -7,10 +7,12 @@
 //!   block), and the table of handles a pool has handed out;
 //! * [`pool`]: `NativeBlockPool`, one core pool as a Python class, which
 //!   `hybrid_alloc.integration.block_pool.BlockPool` subclasses;
+//! * [`budget`]: `NativeByteBudget`, the byte budget that elastic per-group pools share;
 //! * [`views`]: `pool.blocks`, `pool.free_block_queue` and its iterator;
 //! * [`convert`]: errors, iterables, block hashes and removed keys.
 
 mod block;
+mod budget;
 mod convert;
 mod pool;
 mod views;
@@ -20,6 +22,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block::Block>()?;
+    m.add_class::<budget::NativeByteBudget>()?;
     m.add_class::<pool::NativeBlockPool>()?;
     m.add_class::<views::BlockTable>()?;
     m.add_class::<views::FreeQueueView>()?;

@@ -1,0 +1,619 @@
+//! One KV-cache byte budget shared by the pools of several KV-cache groups: which group
+//! owns which memory, which blocks pin it, and whether a set of requests fits. Accounting
+//! only; the bytes themselves are the caller's (torch tensors on the device).
+//!
+//! The budget is `num_slabs` slabs of `slab_bytes` each, laid end to end. A group owns a
+//! slab while it uses it and carves it into its own pages (`page_bytes[g]`: what one block
+//! of the group takes). Page `p` of group `g` covers bytes `p * page_bytes[g] ..
+//! (p + 1) * page_bytes[g]` of the budget, so a group's block IDs are positions in the same
+//! bytes every other group sees at its own page size: the worker views one buffer per group
+//! at that group's page size, and memory moves between groups without copying anything.
+//! Slab 0 is never lent: it holds every group's null block (page 0).
+//!
+//! Every slab gives a group the same number of pages ([`ByteBudget::pages_per_slab`]): those
+//! that fit whole in a slab however the slab is aligned to the group's pages. A page that
+//! straddles two slabs is never used; [`ByteBudget::slab_waste_bytes`] is what that costs.
+//!
+//! Admission ([`ByteBudget::fits`]) is exact. Free pages in a slab that also holds live pages
+//! can serve only the slab's owner; a fully free slab (unowned, or owned with no live page,
+//! its pages at most cached) can serve any group, once. So a set of needs fits if and only
+//! if the slabs the groups lack, after using their partly used slabs, number no more than
+//! the fully free slabs. A pool that admits by this rule must, when it allocates, use free
+//! pages of partly used slabs before it breaks into a fully free slab
+//! ([`ByteBudget::is_partly_used`]); otherwise a slab counted for another group is gone.
+//!
+//! Every operation checks its whole input first: on `Err` nothing has changed.
+
+use std::ops::Range;
+
+use crate::error::PoolError;
+
+pub type SlabId = u32;
+pub type GroupIndex = usize;
+
+/// The slab that holds every group's null block.
+pub const NULL_SLAB: SlabId = 0;
+
+/// Pages counted per group: IDs must fit the pools' `u32` block IDs.
+const MAX_PAGES: u64 = u32::MAX as u64;
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OwnerChanges {
+    /// Slabs this group took from the budget.
+    pub granted: u64,
+    /// Slabs this group gave back.
+    pub released: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct ByteBudget {
+    slab_bytes: u64,
+    page_bytes: Vec<u64>,
+    pages_per_slab: Vec<u32>,
+    /// Per slab: the group that owns it.
+    owner: Vec<Option<u16>>,
+    /// Per slab: its owner's pages in use (reference count above zero).
+    live: Vec<u32>,
+    /// Unowned slabs, the lowest ID on top (lent first: keeps the budget's used part dense).
+    unowned: Vec<SlabId>,
+    /// Per group: slabs owned, and slabs owned with no live page.
+    owned: Vec<u32>,
+    idle: Vec<u32>,
+    changes: Vec<OwnerChanges>,
+}
+
+impl ByteBudget {
+    /// A budget of `num_slabs` slabs of `slab_bytes` (slab 0 reserved for the null
+    /// blocks) shared by groups whose blocks take `page_bytes[g]` bytes each.
+    pub fn new(slab_bytes: i64, num_slabs: i64, page_bytes: &[i64]) -> Result<Self, PoolError> {
+        let bad = |what: String| Err(PoolError::InvalidArgument(what));
+        let slab = match u64::try_from(slab_bytes) {
+            Ok(n) if n > 0 => n,
+            _ => return bad(format!("slab_bytes must be positive, got {slab_bytes}")),
+        };
+        let slabs = match u32::try_from(num_slabs) {
+            Ok(n) if n >= 2 => n,
+            _ => {
+                return bad(format!(
+                    "a byte budget needs at least 2 slabs (slab 0 holds the null blocks), \
+                     got {num_slabs}"
+                ))
+            }
+        };
+        if page_bytes.is_empty() || page_bytes.len() > usize::from(u16::MAX) {
+            return bad(format!(
+                "a byte budget serves 1..{} groups, got {}",
+                u16::MAX,
+                page_bytes.len()
+            ));
+        }
+        let total = match slab.checked_mul(u64::from(slabs)) {
+            Some(t) => t,
+            None => return bad(format!("{num_slabs} slabs of {slab_bytes} bytes overflow")),
+        };
+        let mut pages = Vec::with_capacity(page_bytes.len());
+        let mut per_slab = Vec::with_capacity(page_bytes.len());
+        for (g, &p) in page_bytes.iter().enumerate() {
+            let page = match u64::try_from(p) {
+                Ok(n) if n > 0 && n <= slab => n,
+                _ => {
+                    return bad(format!(
+                        "group {g}: page_bytes must be in 1..={slab} (one slab), got {p}"
+                    ))
+                }
+            };
+            if total / page > MAX_PAGES {
+                return bad(format!(
+                    "group {g}: {} pages of {page} bytes exceed the block-ID range",
+                    total / page
+                ));
+            }
+            // Where a slab starts within the group's pages is a multiple of gcd(slab,
+            // page) short of a page boundary, at most page - gcd: that many bytes may be
+            // lost at the slab's start, and whatever does not fill a page at its end.
+            let fit = (slab - page + gcd(slab, page)) / page;
+            pages.push(page);
+            per_slab.push(fit as u32);
+        }
+        let groups = page_bytes.len();
+        Ok(ByteBudget {
+            slab_bytes: slab,
+            page_bytes: pages,
+            pages_per_slab: per_slab,
+            owner: vec![None; slabs as usize],
+            live: vec![0; slabs as usize],
+            unowned: (1..slabs).rev().collect(),
+            owned: vec![0; groups],
+            idle: vec![0; groups],
+            changes: vec![OwnerChanges::default(); groups],
+        })
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.page_bytes.len()
+    }
+
+    pub fn num_slabs(&self) -> u32 {
+        self.owner.len() as u32
+    }
+
+    pub fn slab_bytes(&self) -> u64 {
+        self.slab_bytes
+    }
+
+    pub fn page_bytes(&self, g: GroupIndex) -> u64 {
+        self.page_bytes[g]
+    }
+
+    /// Pages of group `g` in any one slab.
+    pub fn pages_per_slab(&self, g: GroupIndex) -> u32 {
+        self.pages_per_slab[g]
+    }
+
+    /// Bytes of a slab that group `g` cannot use (pages straddling its edges).
+    pub fn slab_waste_bytes(&self, g: GroupIndex) -> u64 {
+        self.slab_bytes - u64::from(self.pages_per_slab[g]) * self.page_bytes[g]
+    }
+
+    /// The size of group `g`'s block-ID space: every page that lies in the budget.
+    pub fn num_pages(&self, g: GroupIndex) -> u32 {
+        (self.slab_bytes * u64::from(self.num_slabs()) / self.page_bytes[g]) as u32
+    }
+
+    /// Group `g`'s pages in slab `s`: the first page that starts in the slab, and the
+    /// group's pages-per-slab from there (all of them end within the slab).
+    pub fn pages_in(&self, g: GroupIndex, s: SlabId) -> Range<u32> {
+        let page = self.page_bytes[g];
+        let first = (u64::from(s) * self.slab_bytes).div_ceil(page) as u32;
+        first..first + self.pages_per_slab[g]
+    }
+
+    /// The slab whose pages of group `g` include `page`, or `None` for a page no slab
+    /// lends (one straddling two slabs, or past the last).
+    pub fn slab_of(&self, g: GroupIndex, page: u32) -> Option<SlabId> {
+        let s = u64::from(page).checked_mul(self.page_bytes[g])? / self.slab_bytes;
+        let s = u32::try_from(s).ok().filter(|&s| s < self.num_slabs())?;
+        self.pages_in(g, s).contains(&page).then_some(s)
+    }
+
+    pub fn owner(&self, s: SlabId) -> Option<GroupIndex> {
+        self.owner
+            .get(s as usize)
+            .copied()
+            .flatten()
+            .map(usize::from)
+    }
+
+    pub fn live(&self, s: SlabId) -> u32 {
+        self.live.get(s as usize).copied().unwrap_or(0)
+    }
+
+    pub fn num_unowned(&self) -> u32 {
+        self.unowned.len() as u32
+    }
+
+    /// Slabs group `g` owns.
+    pub fn num_owned(&self, g: GroupIndex) -> u32 {
+        self.owned[g]
+    }
+
+    /// Slabs group `g` owns that hold no live page (given back whenever another group
+    /// needs them, after their cached pages are evicted).
+    pub fn num_idle(&self, g: GroupIndex) -> u32 {
+        self.idle[g]
+    }
+
+    /// Slabs any group can have now: unowned ones and every group's idle ones.
+    pub fn num_fully_free(&self) -> u32 {
+        self.num_unowned() + self.idle.iter().sum::<u32>()
+    }
+
+    /// Free pages of group `g` that only `g` can use: those in its slabs holding live pages.
+    pub fn partly_used_free_pages(&self, g: GroupIndex) -> u64 {
+        self.owned_slabs(g)
+            .filter(|&s| self.live[s as usize] > 0)
+            .map(|s| u64::from(self.pages_per_slab[g] - self.live[s as usize]))
+            .sum()
+    }
+
+    /// Whether `page`'s slab holds live pages: a pool takes such pages first.
+    pub fn is_partly_used(&self, g: GroupIndex, page: u32) -> bool {
+        self.slab_of(g, page)
+            .is_some_and(|s| self.owner(s) == Some(g) && self.live[s as usize] > 0)
+    }
+
+    /// Group `g`'s slabs, in ID order.
+    pub fn owned_slabs(&self, g: GroupIndex) -> impl Iterator<Item = SlabId> + '_ {
+        let g = g as u16;
+        (0..self.num_slabs()).filter(move |&s| self.owner[s as usize] == Some(g))
+    }
+
+    /// How often memory changed owner, per group.
+    pub fn owner_changes(&self, g: GroupIndex) -> OwnerChanges {
+        self.changes[g]
+    }
+
+    /// `Ok` for a group of this budget; every method that takes a group index and returns
+    /// no `Result` expects one.
+    pub fn check_group(&self, g: GroupIndex) -> Result<(), PoolError> {
+        if g < self.num_groups() {
+            Ok(())
+        } else {
+            Err(PoolError::InvalidArgument(format!(
+                "group {g} is not in this byte budget (it has {} groups)",
+                self.num_groups()
+            )))
+        }
+    }
+
+    /// Slabs the groups lack for `needs[g]` pages each, beyond the free pages of their
+    /// partly used slabs (which serve nobody else).
+    pub fn slabs_needed(&self, needs: &[u64]) -> Result<u64, PoolError> {
+        if needs.len() != self.num_groups() {
+            return Err(PoolError::InvalidArgument(format!(
+                "needs name {} groups, the byte budget has {}",
+                needs.len(),
+                self.num_groups()
+            )));
+        }
+        let mut slabs = 0u64;
+        for (g, &need) in needs.iter().enumerate() {
+            let short = need.saturating_sub(self.partly_used_free_pages(g));
+            let per_slab = u64::from(self.pages_per_slab[g]);
+            if short > 0 && per_slab == 0 {
+                return Ok(u64::MAX);
+            }
+            slabs = slabs.saturating_add(short.div_ceil(per_slab.max(1)));
+        }
+        Ok(slabs)
+    }
+
+    /// Whether every group can have `needs[g]` more pages at once (evicting cached pages as
+    /// needed): exact, see the module documentation.
+    pub fn fits(&self, needs: &[u64]) -> Result<bool, PoolError> {
+        Ok(self.slabs_needed(needs)? <= u64::from(self.num_fully_free()))
+    }
+
+    /// Lend group `g` an unowned slab; `None` when there is none (take an idle slab of
+    /// another group with [`ByteBudget::release`] first).
+    pub fn grant(&mut self, g: GroupIndex) -> Result<Option<SlabId>, PoolError> {
+        self.check_group(g)?;
+        let Some(s) = self.unowned.pop() else {
+            return Ok(None);
+        };
+        self.owner[s as usize] = Some(g as u16);
+        self.owned[g] += 1;
+        self.idle[g] += 1;
+        self.changes[g].granted += 1;
+        Ok(Some(s))
+    }
+
+    /// Group `g` gives slab `s` back. The slab must be `g`'s and hold no live page (its
+    /// pages leave `g`'s free queue and prefix cache first: the caller's part).
+    pub fn release(&mut self, g: GroupIndex, s: SlabId) -> Result<(), PoolError> {
+        self.check_group(g)?;
+        self.check_owned(g, s, "give back")?;
+        if self.live[s as usize] > 0 {
+            return Err(PoolError::InvalidArgument(format!(
+                "group {g} cannot give back slab {s}: {} of its blocks are in use",
+                self.live[s as usize]
+            )));
+        }
+        self.owner[s as usize] = None;
+        self.owned[g] -= 1;
+        self.idle[g] -= 1;
+        self.changes[g].released += 1;
+        // Keep the lowest ID on top.
+        let at = self.unowned.partition_point(|&u| u > s);
+        self.unowned.insert(at, s);
+        Ok(())
+    }
+
+    /// `Ok` for a slab of this budget.
+    pub fn check_slab(&self, s: SlabId) -> Result<(), PoolError> {
+        if s < self.num_slabs() {
+            Ok(())
+        } else {
+            Err(PoolError::InvalidArgument(format!(
+                "slab {s} is not in this byte budget (it has slabs 0..{})",
+                self.num_slabs()
+            )))
+        }
+    }
+
+    fn check_owned(&self, g: GroupIndex, s: SlabId, op: &str) -> Result<(), PoolError> {
+        match self.owner(s) {
+            Some(o) if o == g => Ok(()),
+            owner => Err(PoolError::InvalidArgument(format!(
+                "group {g} cannot {op} slab {s}: {}",
+                match owner {
+                    Some(o) => format!("group {o} owns it"),
+                    None if s < self.num_slabs() => "no group owns it".to_string(),
+                    None => format!("the byte budget has slabs 0..{}", self.num_slabs()),
+                }
+            ))),
+        }
+    }
+
+    fn slab_of_owned(&self, g: GroupIndex, page: u32, op: &str) -> Result<SlabId, PoolError> {
+        self.check_group(g)?;
+        let s = self.slab_of(g, page).ok_or_else(|| {
+            PoolError::InvalidArgument(format!(
+                "group {g} cannot {op} block {page}: no slab lends that block"
+            ))
+        })?;
+        self.check_owned(g, s, op)?;
+        Ok(s)
+    }
+
+    /// Group `g`'s block `page` went from free to in use.
+    pub fn pin(&mut self, g: GroupIndex, page: u32) -> Result<(), PoolError> {
+        let s = self.slab_of_owned(g, page, "pin")? as usize;
+        if self.live[s] == self.pages_per_slab[g] {
+            return Err(PoolError::BadState {
+                block_id: page,
+                reason: format!("slab {s} of group {g} has no free block left to pin"),
+            });
+        }
+        if self.live[s] == 0 {
+            self.idle[g] -= 1;
+        }
+        self.live[s] += 1;
+        Ok(())
+    }
+
+    /// Group `g`'s block `page` went from in use to free (cached or not).
+    pub fn unpin(&mut self, g: GroupIndex, page: u32) -> Result<(), PoolError> {
+        let s = self.slab_of_owned(g, page, "unpin")? as usize;
+        if self.live[s] == 0 {
+            return Err(PoolError::BadState {
+                block_id: page,
+                reason: format!("slab {s} of group {g} has no block in use"),
+            });
+        }
+        self.live[s] -= 1;
+        if self.live[s] == 0 {
+            self.idle[g] += 1;
+        }
+        Ok(())
+    }
+
+    /// Free bytes that only their owner can use: free pages in partly used slabs.
+    pub fn stranded_bytes(&self) -> u64 {
+        (0..self.num_groups())
+            .map(|g| self.partly_used_free_pages(g) * self.page_bytes[g])
+            .sum()
+    }
+
+    /// Bytes lent out that no page can use (slab edges), over every owned slab.
+    pub fn edge_waste_bytes(&self) -> u64 {
+        (0..self.num_groups())
+            .map(|g| u64::from(self.owned[g]) * self.slab_waste_bytes(g))
+            .sum()
+    }
+
+    /// Recount everything from the per-slab state; `Err` names the first mismatch.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let groups = self.num_groups();
+        let mut owned = vec![0u32; groups];
+        let mut idle = vec![0u32; groups];
+        for s in 0..self.num_slabs() {
+            let live = self.live[s as usize];
+            match self.owner(s) {
+                Some(g) => {
+                    if s == NULL_SLAB {
+                        return Err("slab 0 (the null blocks) is lent".into());
+                    }
+                    if live > self.pages_per_slab[g] {
+                        return Err(format!("slab {s}: {live} live pages, room for fewer"));
+                    }
+                    owned[g] += 1;
+                    if live == 0 {
+                        idle[g] += 1;
+                    }
+                }
+                None if live > 0 => return Err(format!("slab {s} unowned with {live} live")),
+                None => {}
+            }
+        }
+        if owned != self.owned || idle != self.idle {
+            return Err(format!(
+                "counts: owned {:?} / idle {:?}, recounted {owned:?} / {idle:?}",
+                self.owned, self.idle
+            ));
+        }
+        let mut unowned: Vec<SlabId> = (1..self.num_slabs())
+            .filter(|&s| self.owner(s).is_none())
+            .collect();
+        unowned.reverse();
+        if unowned != self.unowned {
+            return Err("the unowned list differs from the unowned slabs".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(state: &mut u64) -> u64 {
+        *state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *state >> 33
+    }
+
+    #[test]
+    fn rejects_bad_geometry() {
+        assert!(ByteBudget::new(0, 4, &[1]).is_err());
+        assert!(ByteBudget::new(64, 1, &[16]).is_err());
+        assert!(ByteBudget::new(64, 4, &[]).is_err());
+        assert!(ByteBudget::new(64, 4, &[65]).is_err());
+        assert!(ByteBudget::new(64, 4, &[0]).is_err());
+        assert!(ByteBudget::new(i64::MAX, 4, &[1]).is_err());
+        assert!(
+            ByteBudget::new(1 << 40, 1 << 10, &[1]).is_err(),
+            "page IDs overflow u32"
+        );
+    }
+
+    #[test]
+    fn pages_lie_whole_in_their_slab_and_never_overlap() {
+        for (slab, pages) in [(96u64, vec![16i64, 36, 96]), (100, vec![7, 33, 50, 100])] {
+            let b = ByteBudget::new(slab as i64, 9, &pages).unwrap();
+            for g in 0..b.num_groups() {
+                let p = b.page_bytes(g);
+                let mut seen = 0u32;
+                for s in 0..b.num_slabs() {
+                    let r = b.pages_in(g, s);
+                    assert_eq!(r.len() as u32, b.pages_per_slab(g));
+                    assert!(u64::from(r.start) * p >= u64::from(s) * slab);
+                    assert!(u64::from(r.end) * p <= u64::from(s + 1) * slab);
+                    for page in r.clone() {
+                        assert_eq!(b.slab_of(g, page), Some(s));
+                    }
+                    seen += r.len() as u32;
+                }
+                // Every page is in one slab's range or in none.
+                let lent = (0..b.num_pages(g))
+                    .filter(|&q| b.slab_of(g, q).is_some())
+                    .count();
+                assert_eq!(lent as u32, seen);
+                assert_eq!(b.pages_in(g, NULL_SLAB).start, 0, "page 0 is in slab 0");
+                let waste = b.slab_waste_bytes(g);
+                assert!(waste < 2 * p, "group {g}: {waste} bytes lost per slab");
+            }
+        }
+        // A slab that is a multiple of the page loses nothing.
+        let b = ByteBudget::new(96, 3, &[16, 32, 48, 96]).unwrap();
+        assert!((0..4).all(|g| b.slab_waste_bytes(g) == 0));
+    }
+
+    #[test]
+    fn grant_pin_release_move_memory_between_groups() {
+        let mut b = ByteBudget::new(64, 3, &[16, 64]).unwrap();
+        assert_eq!(b.num_fully_free(), 2);
+        let s = b.grant(0).unwrap().unwrap();
+        assert_eq!(s, 1, "lowest slab first");
+        let page = b.pages_in(0, s).start;
+        b.pin(0, page).unwrap();
+        assert!(b.is_partly_used(0, page + 1));
+        assert_eq!(b.partly_used_free_pages(0), 3);
+        // Live memory is not handed back, and group 1 cannot touch group 0's slab.
+        let err = b.release(0, s).unwrap_err().to_string();
+        assert!(err.contains("slab 1") && err.contains("in use"), "{err}");
+        assert!(b.release(1, s).is_err());
+        assert!(b.pin(1, b.pages_in(1, s).start).is_err());
+        b.unpin(0, page).unwrap();
+        assert!(b.unpin(0, page).is_err(), "unpin below zero");
+        assert_eq!(b.num_idle(0), 1);
+        b.release(0, s).unwrap();
+        let t = b.grant(1).unwrap().unwrap();
+        assert_eq!(t, s, "the same bytes, now group 1's");
+        assert_eq!(b.grant(1).unwrap(), Some(2));
+        assert_eq!(b.grant(0).unwrap(), None);
+        assert_eq!(
+            b.owner_changes(0),
+            OwnerChanges {
+                granted: 1,
+                released: 1
+            }
+        );
+        assert_eq!(b.owner_changes(1).granted, 2);
+        b.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn failed_calls_change_nothing() {
+        let mut b = ByteBudget::new(64, 4, &[16, 32]).unwrap();
+        let s = b.grant(0).unwrap().unwrap();
+        b.pin(0, b.pages_in(0, s).start).unwrap();
+        let before = format!("{b:?}");
+        assert!(b.release(0, s).is_err());
+        assert!(b.release(1, s).is_err());
+        assert!(b.release(0, 99).is_err());
+        assert!(b.grant(5).is_err());
+        assert!(b.pin(1, 3).is_err());
+        assert!(b.pin(0, 1_000_000).is_err());
+        assert!(b.unpin(1, b.pages_in(1, s).start).is_err());
+        assert!(b.fits(&[1]).is_err());
+        assert_eq!(before, format!("{b:?}"));
+    }
+
+    /// Whether the needs fit, by trying every way of giving the fully free slabs to the
+    /// groups (the plain model `fits` is checked against).
+    fn fits_by_search(b: &ByteBudget, needs: &[u64]) -> bool {
+        let free = b.num_fully_free();
+        let groups = b.num_groups();
+        let own: Vec<u64> = (0..groups).map(|g| b.partly_used_free_pages(g)).collect();
+        // Each of the `free` slabs goes to one group or to none.
+        let choices = (groups + 1) as u64;
+        let total = choices.pow(free);
+        (0..total).any(|mut code| {
+            let mut got = own.clone();
+            for _ in 0..free {
+                let g = (code % choices) as usize;
+                code /= choices;
+                if g < groups {
+                    got[g] += u64::from(b.pages_per_slab(g));
+                }
+            }
+            (0..groups).all(|g| got[g] >= needs[g])
+        })
+    }
+
+    #[test]
+    fn admission_matches_an_exhaustive_search() {
+        let mut rng = 7u64;
+        for _ in 0..300 {
+            let pages = [8i64, 24, 40];
+            let mut b = ByteBudget::new(96, 6, &pages).unwrap();
+            // A random state: grants, pins, unpins, releases.
+            for _ in 0..30 {
+                let g = (lcg(&mut rng) % 3) as usize;
+                match lcg(&mut rng) % 4 {
+                    0 => {
+                        let _ = b.grant(g).unwrap();
+                    }
+                    1 | 2 => {
+                        let slabs: Vec<_> = b.owned_slabs(g).collect();
+                        if let Some(&s) = slabs.get(lcg(&mut rng) as usize % slabs.len().max(1)) {
+                            let r = b.pages_in(g, s);
+                            let page = r.start + (lcg(&mut rng) as u32 % r.len() as u32);
+                            if b.live(s) < b.pages_per_slab(g) {
+                                b.pin(g, page).unwrap();
+                            }
+                        }
+                    }
+                    _ => {
+                        let slabs: Vec<_> = b.owned_slabs(g).collect();
+                        if let Some(&s) = slabs.first() {
+                            if b.live(s) > 0 {
+                                b.unpin(g, b.pages_in(g, s).start).unwrap();
+                            } else {
+                                b.release(g, s).unwrap();
+                            }
+                        }
+                    }
+                }
+                b.check_invariants().unwrap();
+            }
+            for _ in 0..10 {
+                let needs: Vec<u64> = (0..3).map(|_| lcg(&mut rng) % 14).collect();
+                assert_eq!(
+                    b.fits(&needs).unwrap(),
+                    fits_by_search(&b, &needs),
+                    "needs {needs:?} in {b:?}"
+                );
+            }
+        }
+    }
+}
