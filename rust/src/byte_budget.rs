@@ -24,6 +24,7 @@
 //!
 //! Every operation checks its whole input first: on `Err` nothing has changed.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 use crate::error::PoolError;
@@ -66,6 +67,8 @@ pub struct ByteBudget {
     /// Per group: slabs owned, and slabs owned with no live page.
     owned: Vec<u32>,
     idle: Vec<u32>,
+    /// Owned slabs with no live page, in ID order: the slabs taken back first.
+    idle_slabs: BTreeSet<SlabId>,
     changes: Vec<OwnerChanges>,
 }
 
@@ -119,6 +122,12 @@ impl ByteBudget {
             // page) short of a page boundary, at most page - gcd: that many bytes may be
             // lost at the slab's start, and whatever does not fill a page at its end.
             let fit = (slab - page + gcd(slab, page)) / page;
+            if fit == 0 {
+                return bad(format!(
+                    "group {g}: a slab of {slab} bytes cannot always hold one page of {page} \
+                     bytes (slab edges); use a slab that is a multiple of the page"
+                ));
+            }
             pages.push(page);
             per_slab.push(fit as u32);
         }
@@ -132,6 +141,7 @@ impl ByteBudget {
             unowned: (1..slabs).rev().collect(),
             owned: vec![0; groups],
             idle: vec![0; groups],
+            idle_slabs: BTreeSet::new(),
             changes: vec![OwnerChanges::default(); groups],
         })
     }
@@ -208,6 +218,21 @@ impl ByteBudget {
     /// needs them, after their cached pages are evicted).
     pub fn num_idle(&self, g: GroupIndex) -> u32 {
         self.idle[g]
+    }
+
+    /// Owned slabs with no live page, in ID order.
+    pub fn idle_slabs(&self) -> impl Iterator<Item = SlabId> + '_ {
+        self.idle_slabs.iter().copied()
+    }
+
+    /// The unowned slab [`ByteBudget::grant`] lends next.
+    pub fn next_unowned(&self) -> Option<SlabId> {
+        self.unowned.last().copied()
+    }
+
+    /// Unowned slabs, in the order they are lent.
+    pub fn unowned_slabs(&self) -> impl Iterator<Item = SlabId> + '_ {
+        self.unowned.iter().rev().copied()
     }
 
     /// Slabs any group can have now: unowned ones and every group's idle ones.
@@ -291,6 +316,7 @@ impl ByteBudget {
         self.owner[s as usize] = Some(g as u16);
         self.owned[g] += 1;
         self.idle[g] += 1;
+        self.idle_slabs.insert(s);
         self.changes[g].granted += 1;
         Ok(Some(s))
     }
@@ -309,6 +335,7 @@ impl ByteBudget {
         self.owner[s as usize] = None;
         self.owned[g] -= 1;
         self.idle[g] -= 1;
+        self.idle_slabs.remove(&s);
         self.changes[g].released += 1;
         // Keep the lowest ID on top.
         let at = self.unowned.partition_point(|&u| u > s);
@@ -364,6 +391,7 @@ impl ByteBudget {
         }
         if self.live[s] == 0 {
             self.idle[g] -= 1;
+            self.idle_slabs.remove(&(s as SlabId));
         }
         self.live[s] += 1;
         Ok(())
@@ -381,6 +409,7 @@ impl ByteBudget {
         self.live[s] -= 1;
         if self.live[s] == 0 {
             self.idle[g] += 1;
+            self.idle_slabs.insert(s as SlabId);
         }
         Ok(())
     }
@@ -423,6 +452,12 @@ impl ByteBudget {
                 None => {}
             }
         }
+        let idle_set: BTreeSet<SlabId> = (0..self.num_slabs())
+            .filter(|&s| self.owner(s).is_some() && self.live[s as usize] == 0)
+            .collect();
+        if idle_set != self.idle_slabs {
+            return Err("the idle set differs from the owned slabs without live pages".into());
+        }
         if owned != self.owned || idle != self.idle {
             return Err(format!(
                 "counts: owned {:?} / idle {:?}, recounted {owned:?} / {idle:?}",
@@ -463,6 +498,9 @@ mod tests {
             ByteBudget::new(1 << 40, 1 << 10, &[1]).is_err(),
             "page IDs overflow u32"
         );
+        // 100-byte slabs start 10 bytes into a 70-byte page somewhere: no page fits there.
+        let err = ByteBudget::new(100, 8, &[70]).unwrap_err().to_string();
+        assert!(err.contains("cannot always hold one page"), "{err}");
     }
 
     #[test]

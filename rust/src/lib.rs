@@ -14,6 +14,7 @@
 
 pub mod byte_budget;
 pub mod caching;
+pub mod elastic;
 pub mod error;
 pub mod free_queue;
 pub mod group_pool;
@@ -27,6 +28,7 @@ mod binding;
 
 pub use byte_budget::{ByteBudget, OwnerChanges, SlabId};
 pub use caching::{GroupHits, HashSource, PartialCached, PartialEntry, Span};
+pub use elastic::{ElasticPools, GroupAsk, Shortfall};
 pub use error::{OpError, PoolError};
 pub use free_queue::{FreeQueue, QueueCursor};
 pub use group_pool::{BlockId, GroupPool, NULL_BLOCK_ID};

@@ -16,7 +16,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import settings
+from hypothesis import assume, settings
 from hypothesis.stateful import initialize, invariant, rule
 
 from hybrid_alloc._native import NativeByteBudget
@@ -50,7 +50,12 @@ class ByteBudgetMachine(CountingMachine):
     def build(self, slab: int, num_slabs: int, pages: list[int], first: list[int]) -> None:
         """The budget, then a few slabs lent (every example starts with owners)."""
         pages = [min(p, slab) for p in pages]
-        self.b = NativeByteBudget(slab, num_slabs, pages)
+        try:
+            self.b = NativeByteBudget(slab, num_slabs, pages)
+        except ValueError as e:
+            # Some slab edge leaves no whole page of some group: refused, and said so.
+            assert "cannot always hold one page" in str(e), e
+            assume(False)
         self.pages = pages
         self.slab = slab
         self.pinned = {g: set() for g in range(len(pages))}
