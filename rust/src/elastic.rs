@@ -1,26 +1,32 @@
 //! Elastic per-group pools: every group keeps its own [`GroupPool`] (page size, free queue,
-//! prefix cache, pool-scoped block IDs) while one [`ByteBudget`] decides which group's pages
-//! the bytes are at the moment.
+//! prefix cache, pool-scoped block IDs) while one [`ByteBudget`] decides whose pages the
+//! bytes are at the moment.
 //!
 //! A group's pool spans every page of the budget at the group's page size. A page whose
 //! slab the group does not own is *held by the budget*: one reference in the pool, outside
 //! the free queue and the prefix cache, so no pool operation can hand it out, and all the
 //! pool's own invariants hold unchanged. Lending a slab to a group frees its pages into
 //! the group's queue (uncached, at the front); taking a slab back evicts its pages' hashes
-//! and holds them again.
+//! and holds them again. The pools record which blocks go in and out of use
+//! ([`GroupPool::track_live_changes`]); [`sync`] passes that on to the budget.
 //!
-//! Allocation policy, one page at a time for group `g`:
-//! 1. the front of `g`'s free queue if that page is not cached (an empty page);
-//! 2. else an unowned slab, lent to `g` (memory nobody uses, before any eviction);
-//! 3. else the front of `g`'s queue, cached (`g`'s least recently used page, evicted);
-//! 4. else the idle slab (no live page) of another group with the lowest ID, taken back
-//!    (its cached pages evicted) and lent to `g`;
-//! 5. else there is nothing left: the step refuses.
+//! Allocation policy for `n` new pages of group `g` ([`prepare`], then the pool's own pop
+//! of `n` pages from the front of its queue):
+//! 1. empty pages: as many as the front of `g`'s queue holds before its first cached page;
+//! 2. then unowned slabs, lent to `g` (memory nobody uses, before any eviction);
+//! 3. then `g`'s own cached pages, least recently used first;
+//! 4. then idle slabs (no page in use) of other groups, lowest ID first, taken back (their
+//!    cached pages evicted) and lent to `g`;
+//! 5. else the allocation is refused and nothing changes.
 //!
-//! Admission ([`ElasticPools::plan`]) runs that policy on a virtual copy of the state for a
-//! whole step (every group's prefix hits first, then every group's new pages, in group
-//! order, as vLLM's managers do), so a step it admits cannot fail when the same calls are
-//! made for real: exact for this policy, at the cost of the pages asked for.
+//! Admission ([`plan`]) runs that policy for a whole step (every group's prefix hits first,
+//! then every group's new pages, in group order, as vLLM's managers call them) on a virtual
+//! copy of the state. The same calls made for real then take the same pages, so a step it
+//! admits cannot run short and a step it refuses would: exact for this policy, at a cost of
+//! the pages asked for.
+//!
+//! The functions take the pools as references so that each pool can live where its caller
+//! keeps it (the binding keeps one per Python object); [`ElasticPools`] owns them all.
 
 use std::collections::{HashMap, HashSet};
 
@@ -42,100 +48,381 @@ pub struct Shortfall {
     pub missing: usize,
 }
 
-#[derive(Debug, Clone)]
-pub struct ElasticPools {
-    budget: ByteBudget,
-    pools: Vec<GroupPool>,
+/// Whether group `g`'s page is lent to it (else the budget holds it).
+pub fn is_lent(budget: &ByteBudget, g: GroupIndex, page: BlockId) -> bool {
+    budget
+        .slab_of(g, page)
+        .is_some_and(|s| budget.owner(s) == Some(g))
 }
 
-/// The virtual state [`ElasticPools::plan`] walks.
+/// Make `pool` group `g`'s pool over `budget`: the budget holds every page (the pool must
+/// be new: every block but the null block free), and the pool records its live changes.
+pub fn adopt(budget: &ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
+    budget.check_group(g)?;
+    let n = budget.num_pages(g) as usize;
+    if pool.num_blocks() != n || pool.num_free() + 1 != n {
+        return Err(PoolError::InvalidArgument(format!(
+            "group {g}: an elastic pool must be new with {n} blocks (the budget's pages), \
+             it has {} blocks, {} free",
+            pool.num_blocks(),
+            pool.num_free()
+        )));
+    }
+    pool.allocate(n - 1, |_, _| {})?;
+    pool.track_live_changes(true);
+    pool.take_live_changes();
+    Ok(())
+}
+
+/// Pass group `g`'s recorded live changes on to the budget.
+pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
+    for (page, live) in pool.take_live_changes() {
+        if live {
+            budget.pin(g, page)?;
+        } else {
+            budget.unpin(g, page)?;
+        }
+    }
+    Ok(())
+}
+
+/// `Ok` if `page` may be named in an operation of group `g`: the null block, or a page of a
+/// slab `g` owns.
+pub fn check_usable(
+    budget: &ByteBudget,
+    g: GroupIndex,
+    pool: &GroupPool,
+    page: BlockId,
+    op: &'static str,
+) -> Result<(), PoolError> {
+    pool.check_id(i64::from(page))?;
+    if page != NULL_BLOCK_ID && !is_lent(budget, g, page) {
+        return Err(PoolError::ForeignBlock { block_id: page, op });
+    }
+    Ok(())
+}
+
+/// The counts of the policy for one group: unowned slabs to lend, idle slabs to take back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lending {
+    unowned: usize,
+    reclaimed: usize,
+}
+
+/// The virtual state [`plan`] walks.
 struct Virtual<'a> {
-    pools: &'a ElasticPools,
+    budget: &'a ByteBudget,
+    pools: &'a [&'a GroupPool],
     /// Per group: pages virtually taken out of the free queue (hits or allocations).
     taken: Vec<HashSet<BlockId>>,
+    /// Per group: free pages still in the virtual queue.
+    free: Vec<usize>,
     /// Per group: the next queue page not yet looked at (None: the end).
     cursor: Vec<Option<BlockId>>,
-    /// Per group: pages of slabs virtually lent to it, not yet taken.
-    fresh: Vec<u64>,
     /// Live pages added per slab.
     pinned: HashMap<SlabId, u32>,
-    /// Slabs virtually taken back.
-    reclaimed: HashSet<SlabId>,
-    /// Slabs virtually lent (never idle within the step).
+    /// Slabs virtually lent (unowned before, or taken back): never idle within the step.
     lent: HashSet<SlabId>,
+    /// Slabs virtually taken back: their pages are gone from their owner's queue.
+    reclaimed: HashSet<SlabId>,
     unowned_used: usize,
 }
 
 impl Virtual<'_> {
-    fn slab(&self, g: GroupIndex, page: BlockId) -> Option<SlabId> {
-        self.pools.budget.slab_of(g, page)
+    fn gone(&self, g: GroupIndex, page: BlockId) -> bool {
+        self.taken[g].contains(&page)
+            || self
+                .budget
+                .slab_of(g, page)
+                .is_some_and(|s| self.reclaimed.contains(&s))
     }
 
-    fn take(&mut self, g: GroupIndex, page: BlockId) {
-        self.taken[g].insert(page);
-        if let Some(s) = self.slab(g, page) {
-            *self.pinned.entry(s).or_insert(0) += 1;
-        }
-    }
-
-    /// The front of `g`'s virtual queue (pages of lent slabs aside).
-    fn front(&mut self, g: GroupIndex) -> Option<BlockId> {
-        let queue = self.pools.pools[g].queue();
-        while let Some(p) = self.cursor[g] {
-            let gone = self.taken[g].contains(&p)
-                || self.slab(g, p).is_some_and(|s| self.reclaimed.contains(&s));
-            if !gone {
-                return Some(p);
+    /// Up to `n` pages from the front of `g`'s virtual queue, stopping at the first cached
+    /// one if `uncached_only`; taken (and their slabs pinned) only if `take`.
+    fn walk(&mut self, g: GroupIndex, n: usize, uncached_only: bool, take: bool) -> usize {
+        let pool = self.pools[g];
+        let mut at = self.cursor[g];
+        let mut count = 0;
+        while count < n {
+            let Some(p) = at else { break };
+            at = pool.queue().next_of(p);
+            if self.gone(g, p) {
+                continue;
             }
-            self.cursor[g] = queue.next_of(p);
+            if uncached_only && pool.cache().is_cached(p) {
+                break;
+            }
+            count += 1;
+            if take {
+                self.taken[g].insert(p);
+                self.free[g] = self.free[g].saturating_sub(1);
+                if let Some(s) = self.budget.slab_of(g, p) {
+                    *self.pinned.entry(s).or_insert(0) += 1;
+                }
+                self.cursor[g] = at;
+            }
         }
-        None
+        count
     }
 
-    /// Idle now and within the step (a slab taken back is also in `lent`: it is lent on).
     fn is_idle(&self, s: SlabId) -> bool {
-        self.pools.budget.live(s) + self.pinned.get(&s).copied().unwrap_or(0) == 0
-            && !self.reclaimed.contains(&s)
+        self.budget.live(s) + self.pinned.get(&s).copied().unwrap_or(0) == 0
             && !self.lent.contains(&s)
     }
 
-    fn lend(&mut self, g: GroupIndex, s: SlabId) {
-        self.lent.insert(s);
-        self.fresh[g] += u64::from(self.pools.budget.pages_per_slab(g));
+    /// Group `g`'s `n` new pages by the policy; `Err(missing)` if it runs short.
+    fn allocate(&mut self, g: GroupIndex, n: usize) -> Result<Lending, usize> {
+        let per_slab = self.budget.pages_per_slab(g) as usize;
+        let empty = self.walk(g, n, true, false);
+        let mut fresh = 0usize;
+        let mut lending = Lending {
+            unowned: 0,
+            reclaimed: 0,
+        };
+        if n > empty {
+            let unowned: Vec<SlabId> = self
+                .budget
+                .unowned_slabs()
+                .skip(self.unowned_used)
+                .take((n - empty).div_ceil(per_slab))
+                .collect();
+            self.unowned_used += unowned.len();
+            lending.unowned = unowned.len();
+            fresh += unowned.len() * per_slab;
+            self.lent.extend(unowned);
+        }
+        let available = fresh + self.free[g];
+        if n > available {
+            let want = (n - available).div_ceil(per_slab);
+            let budget = self.budget;
+            let victims: Vec<SlabId> = budget
+                .idle_slabs()
+                .filter(|&s| budget.owner(s) != Some(g) && self.is_idle(s))
+                .take(want)
+                .collect();
+            if victims.len() < want {
+                let short = n - available - victims.len() * per_slab;
+                return Err(short.min(n));
+            }
+            lending.reclaimed = victims.len();
+            fresh += victims.len() * per_slab;
+            // Their pages leave their owners' virtual queues (see `gone`).
+            for &s in &victims {
+                if let Some(h) = budget.owner(s) {
+                    let pages = budget.pages_per_slab(h) as usize;
+                    self.free[h] = self.free[h].saturating_sub(pages);
+                }
+            }
+            self.reclaimed.extend(victims.iter().copied());
+            self.lent.extend(victims);
+        }
+        // The pool pops fresh pages first (they were pushed to the front), then its queue.
+        self.walk(g, n.saturating_sub(fresh), false, true);
+        Ok(lending)
     }
+}
 
-    /// One page for `g` by the module's policy; false when there is none.
-    fn one(&mut self, g: GroupIndex) -> bool {
-        if self.fresh[g] > 0 {
-            self.fresh[g] -= 1;
-            return true;
+fn new_virtual<'a>(budget: &'a ByteBudget, pools: &'a [&'a GroupPool]) -> Virtual<'a> {
+    Virtual {
+        budget,
+        pools,
+        taken: vec![HashSet::new(); pools.len()],
+        free: pools.iter().map(|p| p.num_free()).collect(),
+        cursor: pools.iter().map(|p| p.queue().front()).collect(),
+        pinned: HashMap::new(),
+        lent: HashSet::new(),
+        reclaimed: HashSet::new(),
+        unowned_used: 0,
+    }
+}
+
+fn check_pools(budget: &ByteBudget, n: usize) -> Result<(), PoolError> {
+    if n != budget.num_groups() {
+        return Err(PoolError::InvalidArgument(format!(
+            "{n} pools for a byte budget of {} groups",
+            budget.num_groups()
+        )));
+    }
+    Ok(())
+}
+
+/// Run the policy for a whole step on a virtual copy: `Ok(Ok(()))` if every group gets its
+/// hits and new pages, `Ok(Err(_))` naming the first group short and by how much.
+pub fn plan(
+    budget: &ByteBudget,
+    pools: &[&GroupPool],
+    asks: &[GroupAsk],
+) -> Result<Result<(), Shortfall>, PoolError> {
+    check_pools(budget, pools.len())?;
+    if asks.len() != pools.len() {
+        return Err(PoolError::InvalidArgument(format!(
+            "a step names {} groups, the pools have {}",
+            asks.len(),
+            pools.len()
+        )));
+    }
+    for (g, ask) in asks.iter().enumerate() {
+        for &p in &ask.hits {
+            check_usable(budget, g, pools[g], p, "take a prefix hit on")?;
         }
-        let front = self.front(g);
-        let cache = self.pools.pools[g].cache();
-        if let Some(p) = front.filter(|&p| !cache.is_cached(p)) {
-            self.take(g, p);
-            return true;
+    }
+    let mut v = new_virtual(budget, pools);
+    for (g, ask) in asks.iter().enumerate() {
+        for &p in &ask.hits {
+            if p != NULL_BLOCK_ID && pools[g].ref_cnt(p) == 0 && v.taken[g].insert(p) {
+                v.free[g] = v.free[g].saturating_sub(1);
+                if let Some(s) = budget.slab_of(g, p) {
+                    *v.pinned.entry(s).or_insert(0) += 1;
+                }
+            }
         }
-        if let Some(s) = self.pools.budget.unowned_slabs().nth(self.unowned_used) {
-            self.unowned_used += 1;
-            self.lend(g, s);
-            return self.one(g);
+    }
+    for (g, ask) in asks.iter().enumerate() {
+        if let Err(missing) = v.allocate(g, ask.new) {
+            return Ok(Err(Shortfall { group: g, missing }));
         }
-        if let Some(p) = front {
-            self.take(g, p);
-            return true;
-        }
-        let budget = &self.pools.budget;
+    }
+    Ok(Ok(()))
+}
+
+/// Make group `g`'s next `n` pops of its free queue follow the policy: lend it the unowned
+/// slabs and take back the idle slabs the policy calls for (evicted keys go to `removed`
+/// with their group). Refused, with nothing changed, when the policy runs short.
+pub fn prepare(
+    budget: &mut ByteBudget,
+    pools: &mut [&mut GroupPool],
+    g: GroupIndex,
+    n: usize,
+    mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
+) -> Result<(), PoolError> {
+    check_pools(budget, pools.len())?;
+    budget.check_group(g)?;
+    let lending = {
+        let view: Vec<&GroupPool> = pools.iter().map(|p| &**p).collect();
+        let mut v = new_virtual(budget, &view);
+        v.allocate(g, n)
+            .map_err(|missing| PoolError::NotEnoughFree {
+                requested: n,
+                free: n - missing,
+            })?
+    };
+    for _ in 0..lending.unowned {
+        let s = budget.grant(g)?.ok_or_else(|| {
+            PoolError::InvalidArgument("the policy counted an unowned slab that is gone".into())
+        })?;
+        lend(budget, &mut *pools[g], g, s)?;
+    }
+    for _ in 0..lending.reclaimed {
         let victim = budget
             .idle_slabs()
-            .find(|&s| budget.owner(s) != Some(g) && self.is_idle(s));
-        if let Some(s) = victim {
-            self.reclaimed.insert(s);
-            self.lend(g, s);
-            return self.one(g);
-        }
-        false
+            .find(|&s| budget.owner(s) != Some(g))
+            .ok_or_else(|| {
+                PoolError::InvalidArgument("the policy counted an idle slab that is gone".into())
+            })?;
+        let h = budget.owner(victim).unwrap_or(g);
+        take_back(budget, &mut *pools[h], h, victim, &mut removed)?;
+        let s = budget.grant(g)?;
+        debug_assert_eq!(s, Some(victim));
+        lend(budget, &mut *pools[g], g, victim)?;
     }
+    Ok(())
+}
+
+/// Free slab `s`'s pages into `g`'s queue: they were held by the budget.
+fn lend(
+    budget: &ByteBudget,
+    pool: &mut GroupPool,
+    g: GroupIndex,
+    s: SlabId,
+) -> Result<(), PoolError> {
+    let pages: Vec<BlockId> = budget.pages_in(g, s).collect();
+    pool.free(&pages)?;
+    // Held pages going back to the queue are not pages going out of use.
+    pool.take_live_changes();
+    Ok(())
+}
+
+/// Take idle slab `s` back from its owner `h`: its pages' keys are evicted and the budget
+/// holds the pages again.
+fn take_back(
+    budget: &mut ByteBudget,
+    pool: &mut GroupPool,
+    h: GroupIndex,
+    s: SlabId,
+    removed: &mut impl FnMut(GroupIndex, BlockId, &[u8]),
+) -> Result<(), PoolError> {
+    if budget.live(s) > 0 {
+        return Err(PoolError::InvalidArgument(format!(
+            "slab {s} of group {h} has blocks in use"
+        )));
+    }
+    // Pending changes of `h` belong to the budget before the slab changes hands.
+    sync(budget, h, pool)?;
+    let pages: Vec<BlockId> = budget.pages_in(h, s).collect();
+    for &p in &pages {
+        pool.evict(p, |id, k| removed(h, id, k))?;
+    }
+    pool.touch(&pages)?;
+    pool.take_live_changes();
+    budget.release(h, s)
+}
+
+/// Check a group pool against the budget: pages of slabs it does not own are held once and
+/// uncached; returns its live pages per slab.
+fn check_group(
+    budget: &ByteBudget,
+    g: GroupIndex,
+    pool: &GroupPool,
+    live: &mut HashMap<SlabId, u32>,
+) -> Result<(), String> {
+    pool.check_invariants()
+        .map_err(|e| format!("group {g}: {e}"))?;
+    for p in 1..pool.num_blocks() as BlockId {
+        if is_lent(budget, g, p) {
+            if pool.ref_cnt(p) > 0 {
+                let s = budget.slab_of(g, p).unwrap_or(0);
+                *live.entry(s).or_insert(0) += 1;
+            }
+        } else if pool.ref_cnt(p) != 1 || pool.cache().is_cached(p) {
+            return Err(format!(
+                "group {g}: block {p} is not lent but has {} references{}",
+                pool.ref_cnt(p),
+                if pool.cache().is_cached(p) {
+                    " and a hash"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Check every pool, the budget, and that they agree (live pages per slab).
+pub fn check_invariants(budget: &ByteBudget, pools: &[&GroupPool]) -> Result<(), String> {
+    budget.check_invariants()?;
+    let mut live: HashMap<SlabId, u32> = HashMap::new();
+    for (g, pool) in pools.iter().enumerate() {
+        check_group(budget, g, pool, &mut live)?;
+    }
+    for s in 0..budget.num_slabs() {
+        let want = live.get(&s).copied().unwrap_or(0);
+        if budget.live(s) != want {
+            return Err(format!(
+                "slab {s}: the budget counts {} live pages, the pools {want}",
+                budget.live(s)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A budget and every group's pool in one place (the core's tests and benchmarks; the
+/// binding keeps the pools apart).
+#[derive(Debug, Clone)]
+pub struct ElasticPools {
+    budget: ByteBudget,
+    pools: Vec<GroupPool>,
 }
 
 impl ElasticPools {
@@ -151,10 +438,9 @@ impl ElasticPools {
         let budget = ByteBudget::new(slab_bytes, num_slabs, page_bytes)?;
         let mut pools = Vec::with_capacity(page_bytes.len());
         for g in 0..budget.num_groups() {
-            let n = budget.num_pages(g) as usize;
-            let mut pool = GroupPool::new(n as i64, enable_caching, hash_block_size)?;
-            // Every page is held by the budget until its slab is lent.
-            pool.allocate(n - 1, |_, _| {})?;
+            let n = budget.num_pages(g);
+            let mut pool = GroupPool::new(i64::from(n), enable_caching, hash_block_size)?;
+            adopt(&budget, g, &mut pool)?;
             pools.push(pool);
         }
         Ok(ElasticPools { budget, pools })
@@ -172,239 +458,55 @@ impl ElasticPools {
         self.pools.len()
     }
 
-    /// Whether group `g`'s page is lent to it (else the budget holds it).
-    pub fn is_lent(&self, g: GroupIndex, page: BlockId) -> bool {
-        self.budget
-            .slab_of(g, page)
-            .is_some_and(|s| self.budget.owner(s) == Some(g))
+    fn refs(&self) -> Vec<&GroupPool> {
+        self.pools.iter().collect()
     }
 
-    fn check_asks(&self, asks: &[GroupAsk]) -> Result<(), PoolError> {
-        if asks.len() != self.num_groups() {
-            return Err(PoolError::InvalidArgument(format!(
-                "a step names {} groups, the pools have {}",
-                asks.len(),
-                self.num_groups()
-            )));
-        }
-        for (g, ask) in asks.iter().enumerate() {
-            for &p in &ask.hits {
-                self.check_usable(g, p, "take a prefix hit on")?;
-            }
-        }
-        Ok(())
-    }
-
-    fn check_usable(
-        &self,
-        g: GroupIndex,
-        page: BlockId,
-        op: &'static str,
-    ) -> Result<(), PoolError> {
-        self.pools[g].check_id(i64::from(page))?;
-        if page != NULL_BLOCK_ID && !self.is_lent(g, page) {
-            return Err(PoolError::ForeignBlock { block_id: page, op });
-        }
-        Ok(())
-    }
-
-    /// Run the allocation policy for a whole step on a virtual copy: `Ok` if every group
-    /// gets its hits and new pages, else the first group short and by how much.
     pub fn plan(&self, asks: &[GroupAsk]) -> Result<Result<(), Shortfall>, PoolError> {
-        self.check_asks(asks)?;
-        let groups = self.num_groups();
-        let mut v = Virtual {
-            pools: self,
-            taken: vec![HashSet::new(); groups],
-            cursor: self.pools.iter().map(|p| p.queue().front()).collect(),
-            fresh: vec![0; groups],
-            pinned: HashMap::new(),
-            reclaimed: HashSet::new(),
-            lent: HashSet::new(),
-            unowned_used: 0,
-        };
-        for (g, ask) in asks.iter().enumerate() {
-            for &p in &ask.hits {
-                if p != NULL_BLOCK_ID && self.pools[g].ref_cnt(p) == 0 && !v.taken[g].contains(&p) {
-                    v.take(g, p);
-                }
-            }
+        plan(&self.budget, &self.refs(), asks)
+    }
+
+    fn check_all(&self, g: GroupIndex, ids: &[BlockId], op: &'static str) -> Result<(), PoolError> {
+        self.budget.check_group(g)?;
+        for &p in ids {
+            check_usable(&self.budget, g, &self.pools[g], p, op)?;
         }
-        for (g, ask) in asks.iter().enumerate() {
-            for k in 0..ask.new {
-                if !v.one(g) {
-                    return Ok(Err(Shortfall {
-                        group: g,
-                        missing: ask.new - k,
-                    }));
-                }
-            }
-        }
-        Ok(Ok(()))
+        Ok(())
     }
 
     /// Take one reference to each hit (a free one leaves the queue and pins its slab).
     pub fn touch(&mut self, g: GroupIndex, hits: &[BlockId]) -> Result<(), PoolError> {
-        self.budget.check_group(g)?;
-        for &p in hits {
-            self.check_usable(g, p, "touch")?;
-        }
-        let was_free: HashSet<BlockId> = hits
-            .iter()
-            .copied()
-            .filter(|&p| p != NULL_BLOCK_ID && self.pools[g].ref_cnt(p) == 0)
-            .collect();
+        self.check_all(g, hits, "touch")?;
         self.pools[g].touch(hits)?;
-        for p in was_free {
-            self.budget.pin(g, p)?;
-        }
-        Ok(())
+        sync(&mut self.budget, g, &mut self.pools[g])
     }
 
     /// Drop one reference per listing; pages left with none unpin their slab.
     pub fn free(&mut self, g: GroupIndex, ids: &[BlockId]) -> Result<(), PoolError> {
-        self.budget.check_group(g)?;
-        for &p in ids {
-            self.check_usable(g, p, "free")?;
-        }
+        self.check_all(g, ids, "free")?;
         self.pools[g].free(ids)?;
-        let released: HashSet<BlockId> = ids
-            .iter()
-            .copied()
-            .filter(|&p| p != NULL_BLOCK_ID && self.pools[g].ref_cnt(p) == 0)
-            .collect();
-        for p in released {
-            self.budget.unpin(g, p)?;
-        }
-        Ok(())
+        sync(&mut self.budget, g, &mut self.pools[g])
     }
 
-    /// `n` new pages for group `g`, by the module's policy. Evicted keys go to `removed`
-    /// with the group they were evicted from. Refused (nothing changed) when the policy
-    /// finds fewer than `n`: callers admit with [`plan`](Self::plan) first.
+    /// `n` new pages for group `g`: [`prepare`], then the pool's pop. Evicted keys go to
+    /// `removed` with their group.
     pub fn allocate(
         &mut self,
         g: GroupIndex,
         n: usize,
         mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
     ) -> Result<Vec<BlockId>, PoolError> {
-        self.budget.check_group(g)?;
-        let mut asks = vec![GroupAsk::default(); self.num_groups()];
-        asks[g].new = n;
-        if let Err(short) = self.plan(&asks)? {
-            return Err(PoolError::NotEnoughFree {
-                requested: n,
-                free: n - short.missing,
-            });
+        {
+            let mut refs: Vec<&mut GroupPool> = self.pools.iter_mut().collect();
+            prepare(&mut self.budget, &mut refs, g, n, &mut removed)?;
         }
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
-            let pool = &self.pools[g];
-            let front = pool.queue().front();
-            if let Some(p) = front.filter(|&p| !pool.cache().is_cached(p)) {
-                out.push(self.take_front(g, p, &mut removed)?);
-            } else if let Some(s) = self.budget.grant(g)? {
-                self.lend(g, s)?;
-            } else if let Some(p) = front {
-                out.push(self.take_front(g, p, &mut removed)?);
-            } else {
-                let budget = &self.budget;
-                let victim = budget
-                    .idle_slabs()
-                    .find(|&s| budget.owner(s) != Some(g))
-                    .ok_or(PoolError::NotEnoughFree {
-                        requested: n,
-                        free: out.len(),
-                    })?;
-                self.take_back(victim, &mut removed)?;
-                let s = self.budget.grant(g)?;
-                debug_assert_eq!(s, Some(victim));
-                self.lend(g, victim)?;
-            }
-        }
-        Ok(out)
+        let got = self.pools[g].allocate(n, |id, k| removed(g, id, k))?;
+        sync(&mut self.budget, g, &mut self.pools[g])?;
+        Ok(got)
     }
 
-    fn take_front(
-        &mut self,
-        g: GroupIndex,
-        page: BlockId,
-        removed: &mut impl FnMut(GroupIndex, BlockId, &[u8]),
-    ) -> Result<BlockId, PoolError> {
-        let got = self.pools[g].allocate(1, |id, k| removed(g, id, k))?;
-        debug_assert_eq!(got, [page]);
-        self.budget.pin(g, page)?;
-        Ok(page)
-    }
-
-    /// Free slab `s`'s pages into `g`'s queue: they were held by the budget.
-    fn lend(&mut self, g: GroupIndex, s: SlabId) -> Result<(), PoolError> {
-        let pages: Vec<BlockId> = self.budget.pages_in(g, s).collect();
-        self.pools[g].free(&pages)
-    }
-
-    /// Take idle slab `s` back from its owner: its pages' keys are evicted and the budget
-    /// holds the pages again.
-    fn take_back(
-        &mut self,
-        s: SlabId,
-        removed: &mut impl FnMut(GroupIndex, BlockId, &[u8]),
-    ) -> Result<(), PoolError> {
-        let h = self.budget.owner(s).ok_or_else(|| {
-            PoolError::InvalidArgument(format!("slab {s} has no owner to take it from"))
-        })?;
-        if self.budget.live(s) > 0 {
-            return Err(PoolError::InvalidArgument(format!(
-                "slab {s} of group {h} has blocks in use"
-            )));
-        }
-        let pages: Vec<BlockId> = self.budget.pages_in(h, s).collect();
-        let pool = &mut self.pools[h];
-        for &p in &pages {
-            pool.evict(p, |id, k| removed(h, id, k))?;
-        }
-        pool.touch(&pages)?;
-        self.budget.release(h, s)
-    }
-
-    /// Check every group's pool, the budget, and that they agree: pages of slabs a group
-    /// does not own are held once by the budget and uncached; live pages per slab are the
-    /// pool's referenced pages.
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.budget.check_invariants()?;
-        let mut live: HashMap<SlabId, u32> = HashMap::new();
-        for (g, pool) in self.pools.iter().enumerate() {
-            pool.check_invariants()
-                .map_err(|e| format!("group {g}: {e}"))?;
-            for p in 1..pool.num_blocks() as BlockId {
-                if self.is_lent(g, p) {
-                    if pool.ref_cnt(p) > 0 {
-                        let s = self.budget.slab_of(g, p).unwrap_or(0);
-                        *live.entry(s).or_insert(0) += 1;
-                    }
-                } else if pool.ref_cnt(p) != 1 || pool.cache().is_cached(p) {
-                    return Err(format!(
-                        "group {g}: block {p} is not lent but has {} references{}",
-                        pool.ref_cnt(p),
-                        if pool.cache().is_cached(p) {
-                            " and a hash"
-                        } else {
-                            ""
-                        }
-                    ));
-                }
-            }
-        }
-        for s in 0..self.budget.num_slabs() {
-            let want = live.get(&s).copied().unwrap_or(0);
-            if self.budget.live(s) != want {
-                return Err(format!(
-                    "slab {s}: the budget counts {} live pages, the pools {want}",
-                    self.budget.live(s)
-                ));
-            }
-        }
-        Ok(())
+        check_invariants(&self.budget, &self.refs())
     }
 }
 
@@ -482,6 +584,43 @@ mod tests {
     }
 
     #[test]
+    fn a_slab_taken_back_leaves_its_owner_queue_within_the_step() {
+        // Three groups of four pages per slab; group 1 owns both slabs, all cached and free.
+        let mut e = ElasticPools::new(64, 3, &[16, 16, 16], true, 16).unwrap();
+        let mut b = e.allocate(1, 8, |_, _, _| {}).unwrap();
+        for (i, &p) in b.iter().enumerate() {
+            e.pools[1].insert_hash(&key(i as u64), p, None).unwrap();
+        }
+        // Slab 1's pages first in the queue (least recently used).
+        b.sort_unstable();
+        e.free(1, &b).unwrap();
+        assert_eq!(e.pool(1).queue().front(), Some(4));
+        // Group 0 takes slab 1 back; group 1's one page then comes from slab 2, which is
+        // no longer idle, so group 2 finds nothing.
+        let ask = |new: [usize; 3]| {
+            new.iter()
+                .map(|&n| GroupAsk {
+                    hits: Vec::new(),
+                    new: n,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            e.plan(&ask([4, 1, 4])).unwrap(),
+            Err(Shortfall {
+                group: 2,
+                missing: 4
+            })
+        );
+        assert_eq!(e.plan(&ask([4, 0, 4])).unwrap(), Ok(()));
+        let mut real = e.clone();
+        real.allocate(0, 4, |_, _, _| {}).unwrap();
+        real.allocate(1, 1, |_, _, _| {}).unwrap();
+        assert!(real.allocate(2, 4, |_, _, _| {}).is_err());
+        real.check_invariants().unwrap();
+    }
+
+    #[test]
     fn pages_not_lent_are_refused_and_change_nothing() {
         let mut e = ElasticPools::new(64, 4, &[16, 64], false, 16).unwrap();
         let a = e.allocate(0, 1, |_, _, _| {}).unwrap();
@@ -512,11 +651,11 @@ mod tests {
         let mut admitted = 0;
         let mut refused = 0;
         let mut moves = 0;
-        for round in 0..60 {
-            let pages: &[i64] = if round % 2 == 0 {
-                &[16, 48]
-            } else {
-                &[8, 24, 96]
+        for round in 0..150 {
+            let pages: &[i64] = match round % 3 {
+                0 => &[16, 48],
+                1 => &[8, 24, 96],
+                _ => &[12, 32, 48],
             };
             let mut e = ElasticPools::new(96, 7, pages, true, 16).unwrap();
             let groups = pages.len();

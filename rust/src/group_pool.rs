@@ -37,6 +37,9 @@ pub struct GroupPool {
     /// Tokens covered by one request block hash (vLLM's `hash_block_size`): the unit of
     /// partial prefix-cache entries.
     hash_block_size: u32,
+    /// When on (elastic pools): every block whose count left zero (`true`) or reached it
+    /// (`false`), in order, until taken with [`GroupPool::take_live_changes`].
+    live_changes: Option<Vec<(BlockId, bool)>>,
 }
 
 /// One block to cache in [`GroupPool::cache_full_blocks`].
@@ -87,7 +90,27 @@ impl GroupPool {
             cache: PrefixCache::new(num_blocks),
             enable_caching,
             hash_block_size,
+            live_changes: None,
         })
+    }
+
+    /// Record (or stop recording) which blocks go in and out of use.
+    pub fn track_live_changes(&mut self, on: bool) {
+        self.live_changes = on.then(Vec::new);
+    }
+
+    /// The blocks that went in (`true`) or out (`false`) of use since the last call.
+    pub fn take_live_changes(&mut self) -> Vec<(BlockId, bool)> {
+        self.live_changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    fn log_live(&mut self, ids: &[BlockId], live: bool) {
+        if let Some(log) = self.live_changes.as_mut() {
+            log.extend(ids.iter().map(|&id| (id, live)));
+        }
     }
 
     #[inline]
@@ -212,6 +235,7 @@ impl GroupPool {
             }
             self.ref_cnt[id as usize] = 1;
         }
+        self.log_live(ids, true);
     }
 
     /// Drop one reference to each listed block (a block may be listed as often as it is
@@ -241,6 +265,8 @@ impl GroupPool {
         }
         self.queue.push_front_all(&front);
         self.queue.push_back_all(&back);
+        self.log_live(&front, false);
+        self.log_live(&back, false);
         Ok(())
     }
 
@@ -305,6 +331,7 @@ impl GroupPool {
             }
         }
         self.queue.push_back_all(&released);
+        self.log_live(&released, false);
         Ok(released)
     }
 
@@ -341,10 +368,12 @@ impl GroupPool {
         let Some(cnt) = self.ref_cnt.get_mut(id as usize) else {
             return;
         };
-        if *cnt == 0 {
-            self.queue.remove(id);
-        }
+        let was_free = *cnt == 0;
         *cnt = cnt.saturating_add(1);
+        if was_free {
+            self.queue.remove(id);
+            self.log_live(&[id], true);
+        }
     }
 
     /// How many of the listed blocks a prefix hit would take out of the free queue: free
