@@ -120,6 +120,15 @@ MUTANTS = (
         # ByteBudgetMachine.admit: `fits == model_fits`; the "own free" invariant.
         ("tests/pool_set/test_byte_budget.py",),
     ),
+    Mutant(
+        "elastic-keeps-freed-pinned",
+        "a block freed in an elastic pool still pins its slab (it never goes back)",
+        "rust/src/elastic.rs",
+        "            budget.unpin(g, page)?;",
+        "            let _ = page;",
+        # ElasticMachine's invariant: check_invariants ("the budget counts N live pages").
+        ("tests/pool_set/test_elastic_pools.py",),
+    ),
 )
 
 

@@ -367,6 +367,12 @@ fn take_back(
     budget.release(h, s)
 }
 
+/// Blocks of group `g`'s pool that the budget holds (pages of slabs `g` does not own).
+pub fn held_pages(budget: &ByteBudget, g: GroupIndex) -> usize {
+    let lent = budget.num_owned(g) as usize * budget.pages_per_slab(g) as usize;
+    budget.num_pages(g) as usize - 1 - lent
+}
+
 /// Check a group pool against the budget: pages of slabs it does not own are held once and
 /// uncached; returns its live pages per slab.
 fn check_group(

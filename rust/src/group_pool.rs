@@ -546,7 +546,14 @@ impl GroupPool {
     /// Drop every cached key, if no block but the null block is in use. Returns whether
     /// it did.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.num_free() + 1 != self.num_blocks() {
+        self.reset_prefix_cache_holding(0)
+    }
+
+    /// [`reset_prefix_cache`](Self::reset_prefix_cache) of a pool in which `held` blocks
+    /// are held by something other than requests (an elastic pool's pages of slabs other
+    /// groups own): no block but those and the null block may be in use.
+    pub fn reset_prefix_cache_holding(&mut self, held: usize) -> bool {
+        if self.num_free() + 1 + held != self.num_blocks() {
             return false;
         }
         self.cache.clear();

@@ -208,8 +208,10 @@ impl GroupPool {
     pub fn reset_watched<W>(
         &mut self,
         watchers: &mut ReuseWatchers<W>,
+        held: usize,
     ) -> Option<Vec<(BlockId, W)>> {
-        self.reset_prefix_cache().then(|| watchers.take_all())
+        self.reset_prefix_cache_holding(held)
+            .then(|| watchers.take_all())
     }
 }
 
@@ -380,13 +382,13 @@ mod tests {
         p.unpin_watched(&[a[2]], &mut w, || "c").unwrap();
         p.unpin_watched(&[a[0], a[1]], &mut w, || "ab").unwrap();
         assert_eq!(
-            p.reset_watched(&mut w),
+            p.reset_watched(&mut w, 0),
             Some(vec![(3, "c"), (1, "ab"), (2, "ab")])
         );
         let b = p.allocate(1, noop).unwrap();
         p.unpin_watched(&b, &mut w, || "held").unwrap();
         p.touch(&b).unwrap();
-        assert_eq!(p.reset_watched(&mut w), None, "a block is in use");
+        assert_eq!(p.reset_watched(&mut w, 0), None, "a block is in use");
         assert_eq!(w.len(), 1);
     }
 }

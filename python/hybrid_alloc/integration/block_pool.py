@@ -426,7 +426,7 @@ class BlockPool(NativeBlockPool):
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any block is in use."""
         if not self._reset_prefix_cache():
-            in_use = self.num_gpu_blocks - 1 - self.get_num_free_blocks()
+            in_use = self.num_gpu_blocks - 1 - self.get_num_free_blocks() - self._held_by_budget()
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
                 in_use,

@@ -44,6 +44,7 @@ impl Block {
     fn set_ref_cnt(&self, py: Python<'_>, value: i64) -> PyResult<()> {
         let mut pool = self.pool.bind(py).try_borrow_mut()?;
         let pool = &mut *pool;
+        pool.check_elastic(py, &[self.id], "set the reference count of")?;
         pool.core
             .set_ref_cnt(self.id, value)
             .map_err(|e| pool_error(&pool.label, e))

@@ -8,12 +8,15 @@
 //! * [`pool`]: `NativeBlockPool`, one core pool as a Python class, which
 //!   `hybrid_alloc.integration.block_pool.BlockPool` subclasses;
 //! * [`budget`]: `NativeByteBudget`, the byte budget that elastic per-group pools share;
+//! * [`elastic`]: `NativeElasticPools`, that budget over the `NativeBlockPool`s of the
+//!   groups (memory lent on allocation, live changes passed on);
 //! * [`views`]: `pool.blocks`, `pool.free_block_queue` and its iterator;
 //! * [`convert`]: errors, iterables, block hashes and removed keys.
 
 mod block;
 mod budget;
 mod convert;
+mod elastic;
 mod pool;
 mod views;
 
@@ -23,6 +26,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block::Block>()?;
     m.add_class::<budget::NativeByteBudget>()?;
+    m.add_class::<elastic::NativeElasticPools>()?;
     m.add_class::<pool::NativeBlockPool>()?;
     m.add_class::<views::BlockTable>()?;
     m.add_class::<views::FreeQueueView>()?;

@@ -10,6 +10,7 @@ use super::convert::{
     group_id, hash_bytes, items, op_error, pool_error, saturating_int, type_name,
     with_removed_sink, wrong_type, Indexed, PyHashes, RemovedKeys,
 };
+use super::elastic::{ElasticLink, NativeElasticPools};
 use super::views::{BlockTable, FreeQueueView};
 use crate::caching::{PartialEntry, Span};
 use crate::error::PoolError;
@@ -52,6 +53,8 @@ pub struct NativeBlockPool {
     removed_sink: Option<Py<PyAny>>,
     enable_kv_cache_events: bool,
     pub(super) label: String,
+    /// Set when the pool is one group of elastic pools (its pages lent by a shared budget).
+    pub(super) elastic: Option<ElasticLink>,
 }
 
 impl NativeBlockPool {
@@ -88,7 +91,7 @@ impl NativeBlockPool {
     }
 
     /// The IDs of `blocks` (a list or any iterable), which must all be handles of this pool.
-    fn own_ids(
+    pub(super) fn own_ids(
         slf: &Bound<'_, Self>,
         blocks: &Bound<'_, PyAny>,
         op: &'static str,
@@ -99,12 +102,41 @@ impl NativeBlockPool {
         routing::own_ids(&PoolToken::This, op, refs).map_err(|e| op_error(label, e))
     }
 
-    fn removed_keys(&self) -> RemovedKeys {
+    /// Pass the blocks that went in or out of use to the elastic budget, if any.
+    pub(super) fn sync_elastic(&mut self, py: Python<'_>) -> PyResult<()> {
+        let Some(link) = &self.elastic else {
+            return Ok(());
+        };
+        let owner = link.owner.clone_ref(py);
+        let mut budget = owner.bind(py).try_borrow_mut()?;
+        budget
+            .sync(link.group, &mut self.core)
+            .map_err(|e| pool_error(&self.label, e))
+    }
+
+    /// In elastic pools, refuse blocks the budget holds (pages of slabs this group does not
+    /// own): no operation may count them in or out of use.
+    pub(super) fn check_elastic(
+        &self,
+        py: Python<'_>,
+        ids: &[BlockId],
+        op: &'static str,
+    ) -> PyResult<()> {
+        let Some(link) = &self.elastic else {
+            return Ok(());
+        };
+        let owner = link.owner.bind(py).try_borrow()?;
+        owner
+            .check_usable(link.group, &self.core, ids, op)
+            .map_err(|e| self.error(e))
+    }
+
+    pub(super) fn removed_keys(&self) -> RemovedKeys {
         RemovedKeys::new(self.removed_sink.is_some())
     }
 
     /// Hand removed keys to the Python layer's sink (it appends `BlockRemoved` events).
-    fn emit_removed(slf: &Bound<'_, Self>, keys: RemovedKeys) -> PyResult<()> {
+    pub(super) fn emit_removed(slf: &Bound<'_, Self>, keys: RemovedKeys) -> PyResult<()> {
         let py = slf.py();
         let Some(list) = keys.into_list(py)? else {
             return Ok(());
@@ -299,6 +331,7 @@ impl NativeBlockPool {
             removed_sink: None,
             enable_kv_cache_events,
             label,
+            elastic: None,
         })
     }
 
@@ -358,6 +391,21 @@ impl NativeBlockPool {
         num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let num_blocks = saturating_int(num_blocks)?;
+        let link = slf
+            .try_borrow()?
+            .elastic
+            .as_ref()
+            .map(|l| (l.owner.clone_ref(slf.py()), l.group));
+        if let Some((owner, group)) = link {
+            // Lend this group the memory the policy calls for (the pool is not borrowed:
+            // taking a slab back may evict in another group's pool).
+            let n = usize::try_from(num_blocks).map_err(|_| {
+                let this = slf.try_borrow();
+                let label = this.as_ref().map(|t| t.label.as_str()).unwrap_or("pool");
+                PyValueError::new_err(format!("{label}: cannot get {num_blocks} blocks"))
+            })?;
+            NativeElasticPools::prepare(owner.bind(slf.py()), group, n)?;
+        }
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
         let observed = this.observers.is_some();
@@ -368,8 +416,10 @@ impl NativeBlockPool {
         let list = this.handles.list(slf, this.core.num_blocks(), steps.ids());
         // The blocks are off the free queue: claim them even if the list failed.
         let driven = Self::drive(slf, guard, steps);
+        let synced = slf.try_borrow_mut()?.sync_elastic(slf.py());
         let list = list?;
-        driven.map(|_| list)
+        driven?;
+        synced.map(|_| list)
     }
 
     /// Drop one reference to each block; blocks reaching zero become free (uncached ones
@@ -386,8 +436,10 @@ impl NativeBlockPool {
             routing::route(&PoolToken::This, pairs)?
         };
         let mut this = slf.try_borrow_mut()?;
+        this.check_elastic(slf.py(), &routed.own, "free")?;
         if routed.others.is_empty() {
-            return this.core.free(&routed.own).map_err(|e| this.error(e));
+            this.core.free(&routed.own).map_err(|e| this.error(e))?;
+            return this.sync_elastic(slf.py());
         }
         let runs = routed
             .others
@@ -401,16 +453,19 @@ impl NativeBlockPool {
         for run in &runs {
             if let OtherRun::Native(pool, ids) = run {
                 let mut other = pool.try_borrow_mut()?;
+                other.check_elastic(slf.py(), ids, "free")?;
                 other.core.check_free(ids).map_err(|e| other.error(e))?;
             }
         }
         this.core.free(&routed.own).map_err(|e| this.error(e))?;
+        this.sync_elastic(slf.py())?;
         drop(this);
         for run in runs {
             match run {
                 OtherRun::Native(pool, ids) => {
                     let mut other = pool.try_borrow_mut()?;
                     other.core.free(&ids).map_err(|e| other.error(e))?;
+                    other.sync_elastic(slf.py())?;
                 }
                 OtherRun::Python(pool, objs) => {
                     pool.call_method1("free_blocks", (PyList::new(slf.py(), objs)?,))?;
@@ -425,11 +480,15 @@ impl NativeBlockPool {
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = Self::own_ids(slf, blocks, "touch")?;
         let this = slf.try_borrow_mut()?;
+        this.check_elastic(slf.py(), &ids, "touch")?;
         let steps = this
             .core
             .touch_steps(ids, this.observers.is_some())
             .map_err(|e| this.error(e))?;
-        Self::drive(slf, this, steps).map(drop)
+        let driven = Self::drive(slf, this, steps);
+        let synced = slf.try_borrow_mut()?.sync_elastic(slf.py());
+        driven?;
+        synced
     }
 
     /// Release references to blocks whose contents stay readable until the pool hands
@@ -442,10 +501,12 @@ impl NativeBlockPool {
         let py = slf.py();
         let ids = Self::own_ids(slf, blocks, "unpin_blocks")?;
         let mut guard = slf.try_borrow_mut()?;
+        guard.check_elastic(py, &ids, "unpin")?;
         let this = &mut *guard;
         this.core
             .unpin_watched(&ids, &mut this.watchers, || on_reuse.clone_ref(py))
-            .map_err(|e| pool_error(&this.label, e))
+            .map_err(|e| pool_error(&this.label, e))?;
+        this.sync_elastic(py)
     }
 
     fn is_block_writable(slf: &Bound<'_, Self>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
@@ -741,14 +802,31 @@ impl NativeBlockPool {
         Self::drive(slf, this, steps).map(drop)
     }
 
+    /// Blocks the elastic budget holds in this pool (pages of slabs the group does not
+    /// own); 0 outside elastic pools.
+    fn _held_by_budget(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        match &slf.try_borrow()?.elastic {
+            Some(link) => Ok(link
+                .owner
+                .bind(slf.py())
+                .try_borrow()?
+                .held_pages(link.group)),
+            None => Ok(0),
+        }
+    }
+
     /// Clear the prefix cache if no block is in use, and tell every reuse watcher. Returns
     /// whether it did (the Python layer logs, resets metrics and emits the event).
     fn _reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
         let py = slf.py();
         let watchers = {
+            let held = match &slf.try_borrow()?.elastic {
+                Some(link) => link.owner.bind(py).try_borrow()?.held_pages(link.group),
+                None => 0,
+            };
             let mut guard = slf.try_borrow_mut()?;
             let this = &mut *guard;
-            this.core.reset_watched(&mut this.watchers)
+            this.core.reset_watched(&mut this.watchers, held)
         };
         let Some(watchers) = watchers else {
             return Ok(false);
@@ -830,6 +908,9 @@ impl NativeBlockPool {
         for watcher in self.watchers.iter() {
             visit.call(watcher)?;
         }
+        if let Some(link) = &self.elastic {
+            visit.call(&link.owner)?;
+        }
         Ok(())
     }
 
@@ -838,5 +919,6 @@ impl NativeBlockPool {
         self.observers = None;
         self.removed_sink = None;
         self.watchers.clear();
+        self.elastic = None;
     }
 }

@@ -1,0 +1,289 @@
+//! `NativeElasticPools`: one [`ByteBudget`] shared by the `NativeBlockPool`s of several
+//! groups (the core's [`crate::elastic`] functions over those pools). Each pool keeps its
+//! own core pool and handles; attached pools point back here ([`ElasticLink`]) so that
+//! their operations pass live changes on and their allocations get memory lent first.
+
+use super::convert::pool_error;
+use super::pool::NativeBlockPool;
+use crate::byte_budget::{ByteBudget, GroupIndex};
+use crate::elastic::{self, GroupAsk};
+use crate::error::PoolError;
+use crate::group_pool::{BlockId, GroupPool};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
+
+use super::convert::RemovedKeys;
+
+/// A pool's way back to the budget it is a group of.
+pub(crate) struct ElasticLink {
+    pub owner: Py<NativeElasticPools>,
+    pub group: GroupIndex,
+}
+
+#[pyclass(module = "hybrid_alloc._native", name = "NativeElasticPools")]
+pub struct NativeElasticPools {
+    budget: ByteBudget,
+    pools: Vec<Option<Py<NativeBlockPool>>>,
+    label: String,
+}
+
+impl NativeElasticPools {
+    fn error(&self, e: PoolError) -> PyErr {
+        pool_error(&self.label, e)
+    }
+
+    fn group(&self, g: i64) -> PyResult<GroupIndex> {
+        let index = usize::try_from(g).map_err(|_| {
+            PyValueError::new_err(format!("{}: group {g} is not a group", self.label))
+        })?;
+        self.budget.check_group(index).map_err(|e| self.error(e))?;
+        Ok(index)
+    }
+
+    fn attached(&self, py: Python<'_>) -> PyResult<Vec<Py<NativeBlockPool>>> {
+        self.pools
+            .iter()
+            .enumerate()
+            .map(|(g, p)| {
+                p.as_ref().map(|p| p.clone_ref(py)).ok_or_else(|| {
+                    PyRuntimeError::new_err(format!(
+                        "{}: group {g} has no pool attached",
+                        self.label
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Pass a pool's live changes on to the budget (the pool is borrowed by the caller).
+    pub(crate) fn sync(&mut self, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
+        elastic::sync(&mut self.budget, g, pool)
+    }
+
+    pub(crate) fn held_pages(&self, g: GroupIndex) -> usize {
+        elastic::held_pages(&self.budget, g)
+    }
+
+    /// `Ok` if every ID may be used by group `g` (the null block, or a page it owns).
+    pub(crate) fn check_usable(
+        &self,
+        g: GroupIndex,
+        pool: &GroupPool,
+        ids: &[BlockId],
+        op: &'static str,
+    ) -> Result<(), PoolError> {
+        ids.iter()
+            .try_for_each(|&id| elastic::check_usable(&self.budget, g, pool, id, op))
+    }
+
+    /// Lend group `g` the memory its next `n` pops need (see [`elastic::prepare`]); keys
+    /// evicted from slabs taken back become `BlockRemoved` events of their own pool.
+    pub(crate) fn prepare(slf: &Bound<'_, Self>, g: GroupIndex, n: usize) -> PyResult<()> {
+        let py = slf.py();
+        let pools = slf.try_borrow()?.attached(py)?;
+        let mut keys: Vec<RemovedKeys> = Vec::with_capacity(pools.len());
+        {
+            let mut guards = Vec::with_capacity(pools.len());
+            for p in &pools {
+                guards.push(p.bind(py).try_borrow_mut()?);
+            }
+            for guard in &guards {
+                keys.push(guard.removed_keys());
+            }
+            let mut this = slf.try_borrow_mut()?;
+            let this = &mut *this;
+            let mut refs: Vec<&mut GroupPool> = guards.iter_mut().map(|g| &mut g.core).collect();
+            elastic::prepare(&mut this.budget, &mut refs, g, n, |h, _, key| {
+                keys[h].push(key)
+            })
+            .map_err(|e| pool_error(&this.label, e))?;
+        }
+        for (p, k) in pools.iter().zip(keys) {
+            NativeBlockPool::emit_removed(p.bind(py), k)?;
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl NativeElasticPools {
+    #[new]
+    #[pyo3(signature = (slab_bytes, num_slabs, page_bytes, label=None))]
+    fn new(
+        slab_bytes: i64,
+        num_slabs: i64,
+        page_bytes: Vec<i64>,
+        label: Option<String>,
+    ) -> PyResult<Self> {
+        let label = label.unwrap_or_else(|| "elastic pools".to_string());
+        let budget = ByteBudget::new(slab_bytes, num_slabs, &page_bytes)
+            .map_err(|e| pool_error(&label, e))?;
+        let pools = (0..budget.num_groups()).map(|_| None).collect();
+        Ok(NativeElasticPools {
+            budget,
+            pools,
+            label,
+        })
+    }
+
+    /// Make `pool` (new, with `num_pages(group)` blocks) group `group`'s pool: the budget
+    /// holds its pages until it lends them.
+    fn attach(
+        slf: &Bound<'_, Self>,
+        group: i64,
+        pool: &Bound<'_, NativeBlockPool>,
+    ) -> PyResult<()> {
+        let mut this = slf.try_borrow_mut()?;
+        let g = this.group(group)?;
+        if this.pools[g].is_some() {
+            return Err(PyValueError::new_err(format!(
+                "{}: group {g} already has a pool",
+                this.label
+            )));
+        }
+        let mut p = pool.try_borrow_mut()?;
+        if p.elastic.is_some() {
+            return Err(PyValueError::new_err(format!(
+                "{}: {} is already a group of elastic pools",
+                this.label, p.label
+            )));
+        }
+        elastic::adopt(&this.budget, g, &mut p.core).map_err(|e| this.error(e))?;
+        p.elastic = Some(ElasticLink {
+            owner: slf.clone().unbind(),
+            group: g,
+        });
+        this.pools[g] = Some(pool.clone().unbind());
+        Ok(())
+    }
+
+    /// Whether a step fits: `asks[g]` is (prefix-hit blocks of group g, new blocks). None
+    /// if it does, else (the first group short, blocks missing).
+    fn plan(
+        slf: &Bound<'_, Self>,
+        asks: Vec<(Bound<'_, PyAny>, usize)>,
+    ) -> PyResult<Option<(usize, usize)>> {
+        let py = slf.py();
+        let pools = slf.try_borrow()?.attached(py)?;
+        let mut core_asks = Vec::with_capacity(asks.len());
+        for (g, (hits, new)) in asks.into_iter().enumerate() {
+            let hits = match pools.get(g) {
+                Some(p) => NativeBlockPool::own_ids(p.bind(py), &hits, "plan")?,
+                None => Vec::new(),
+            };
+            core_asks.push(GroupAsk { hits, new });
+        }
+        let guards = pools
+            .iter()
+            .map(|p| p.bind(py).try_borrow())
+            .collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&GroupPool> = guards.iter().map(|g| &g.core).collect();
+        let this = slf.try_borrow()?;
+        match elastic::plan(&this.budget, &refs, &core_asks).map_err(|e| this.error(e))? {
+            Ok(()) => Ok(None),
+            Err(short) => Ok(Some((short.group, short.missing))),
+        }
+    }
+
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.budget.num_groups()
+    }
+
+    #[getter]
+    fn num_slabs(&self) -> u32 {
+        self.budget.num_slabs()
+    }
+
+    #[getter]
+    fn slab_bytes(&self) -> u64 {
+        self.budget.slab_bytes()
+    }
+
+    #[getter]
+    fn num_unowned(&self) -> u32 {
+        self.budget.num_unowned()
+    }
+
+    #[getter]
+    fn num_fully_free(&self) -> u32 {
+        self.budget.num_fully_free()
+    }
+
+    #[getter]
+    fn stranded_bytes(&self) -> u64 {
+        self.budget.stranded_bytes()
+    }
+
+    #[getter]
+    fn edge_waste_bytes(&self) -> u64 {
+        self.budget.edge_waste_bytes()
+    }
+
+    #[getter]
+    fn label(&self) -> String {
+        self.label.clone()
+    }
+
+    fn num_pages(&self, group: i64) -> PyResult<u32> {
+        Ok(self.budget.num_pages(self.group(group)?))
+    }
+
+    fn pages_per_slab(&self, group: i64) -> PyResult<u32> {
+        Ok(self.budget.pages_per_slab(self.group(group)?))
+    }
+
+    fn page_bytes(&self, group: i64) -> PyResult<u64> {
+        Ok(self.budget.page_bytes(self.group(group)?))
+    }
+
+    fn num_owned(&self, group: i64) -> PyResult<u32> {
+        Ok(self.budget.num_owned(self.group(group)?))
+    }
+
+    fn num_idle(&self, group: i64) -> PyResult<u32> {
+        Ok(self.budget.num_idle(self.group(group)?))
+    }
+
+    /// Pages the group has in use.
+    fn num_live_pages(&self, group: i64) -> PyResult<u64> {
+        let g = self.group(group)?;
+        Ok(self
+            .budget
+            .owned_slabs(g)
+            .map(|s| u64::from(self.budget.live(s)))
+            .sum())
+    }
+
+    /// (granted, released): slabs the group took from the budget and gave back.
+    fn owner_changes(&self, group: i64) -> PyResult<(u64, u64)> {
+        let c = self.budget.owner_changes(self.group(group)?);
+        Ok((c.granted, c.released))
+    }
+
+    /// Raise RuntimeError naming the first disagreement of the budget and the pools.
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let this = slf.try_borrow()?;
+        let pools = this.attached(py)?;
+        let guards = pools
+            .iter()
+            .map(|p| p.bind(py).try_borrow())
+            .collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&GroupPool> = guards.iter().map(|g| &g.core).collect();
+        elastic::check_invariants(&this.budget, &refs)
+            .map_err(|e| PyRuntimeError::new_err(format!("{}: {e}", this.label)))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for p in self.pools.iter().flatten() {
+            visit.call(p)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.pools.iter_mut().for_each(|p| *p = None);
+    }
+}

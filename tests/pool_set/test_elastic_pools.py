@@ -1,0 +1,260 @@
+"""Elastic per-group pools (``NativeElasticPools``: one byte budget under several groups'
+``BlockPool``s), as a hypothesis state machine against a plain model of who holds what.
+
+Requests take blocks in every group (prefix hits first, found through each group's own
+pool, then new blocks), after ``plan`` said the step fits: an admitted step never runs
+short. Requests cache their full blocks, finish (free), are preempted (freed without
+caching), lose a load (their blocks evicted by ID, then freed), and the prefix cache is
+reset when nothing is in use. Memory moves between groups whenever one needs it: unowned
+slabs first, then the group's own least recently used cached block, then another group's
+idle slab, taken back with its cached blocks evicted (``BlockRemoved`` events of the pool
+they were in).
+
+After every step: the budget and the pools agree (``check_invariants``: pages of slabs a
+group does not own are held by the budget, live pages per slab match); every block's
+reference count is the number of requests holding it; the budget's live pages are those
+blocks; no block the budget holds can be freed, touched or re-counted (refused, nothing
+changed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import assume, settings
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+from hybrid_alloc._native import NativeElasticPools
+from hybrid_alloc.integration.block_pool import BlockPool
+from tests.helpers import CountingMachine, budget, make_request, stepping
+
+BS = 4
+
+
+def _state(elastic: Any, pools: list[Any]) -> Any:
+    return (
+        [p.free_block_ids() for p in pools],
+        [p.ref_counts() for p in pools],
+        [p.cache_entries() for p in pools],
+        [elastic.owner_changes(g) for g in range(len(pools))],
+    )
+
+
+class ElasticMachine(CountingMachine):
+    MACHINE = "elastic"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[int, list[list[Any]]] = {}  # id -> per group: blocks held
+        self.reqs: dict[int, Any] = {}
+        self.cached: dict[tuple[int, int], int] = {}  # (request, group) -> blocks cached
+        self.next_id = 0
+        self.removed_events = 0
+
+    @initialize(
+        slab=st.sampled_from([48, 64, 96]),
+        num_slabs=st.integers(3, 7),
+        pages=st.lists(st.sampled_from([8, 12, 16, 24, 48]), min_size=2, max_size=3),
+    )
+    def build(self, slab: int, num_slabs: int, pages: list[int]) -> None:
+        pages = [min(p, slab) for p in pages]
+        try:
+            self.elastic = NativeElasticPools(slab, num_slabs, pages, label="elastic")
+        except ValueError as e:
+            assert "cannot always hold one page" in str(e), e
+            assume(False)
+        self.groups = list(range(len(pages)))
+        self.pools = [
+            BlockPool(
+                self.elastic.num_pages(g), True, BS, enable_kv_cache_events=True, label=f"g{g}"
+            )
+            for g in self.groups
+        ]
+        for g, pool in enumerate(self.pools):
+            self.elastic.attach(g, pool)
+            assert pool.get_num_free_blocks() == 0, "every page starts held by the budget"
+
+    # ---------------------------------------------------------------- helpers
+    def hits(self, req: Any, g: int) -> list[Any]:
+        pool = self.pools[g]
+        found = []
+        for h in req.block_hashes:
+            got = pool.get_cached_block(h, [g])
+            if got is None:
+                break
+            found.append(got[0])
+        return found
+
+    def release(self, rid: int) -> None:
+        held = self.requests.pop(rid)
+        for g, blocks in enumerate(held):
+            self.pools[g].free_blocks(reversed(blocks))
+        self.drain_events()
+
+    def drain_events(self) -> None:
+        for pool in self.pools:
+            events = pool.take_events()
+            self.removed_events += sum(1 for e in events if type(e).__name__ == "BlockRemoved")
+
+    # ------------------------------------------------------------------ rules
+    @rule(
+        seed=st.integers(0, 3),
+        sizes=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+    )
+    @stepping
+    def admit(self, seed: int, sizes: list[int]) -> None:
+        """A request: prefix hits, then new blocks, in every group, if the step fits."""
+        req = make_request(seed, max(sizes), BS)
+        hits = [self.hits(req, g)[: sizes[g]] for g in self.groups]
+        new = [sizes[g] - len(hits[g]) for g in self.groups]
+        before = _state(self.elastic, self.pools)
+        short = self.elastic.plan([(hits[g], new[g]) for g in self.groups])
+        assert _state(self.elastic, self.pools) == before, "plan changed the pools"
+        if short is not None:
+            group, missing = short
+            assert 0 < missing <= new[group]
+            return
+        taken = []
+        for g in self.groups:
+            self.pools[g].touch(hits[g])
+        for g in self.groups:
+            got = self.pools[g].get_new_blocks(new[g])
+            assert len(got) == new[g]
+            taken.append(hits[g] + got)
+            self.cached[(self.next_id, g)] = len(hits[g])
+        self.drain_events()
+        self.requests[self.next_id] = taken
+        self.reqs[self.next_id] = req
+        self.next_id += 1
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    @stepping
+    def cache(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        g = data.draw(st.sampled_from(self.groups))
+        blocks = self.requests[rid][g]
+        done = self.cached[(rid, g)]
+        upto = data.draw(st.integers(done, len(blocks)))
+        self.pools[g].cache_full_blocks(self.reqs[rid], blocks, done, upto, BS, g)
+        self.cached[(rid, g)] = max(done, upto)
+        self.drain_events()
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    @stepping
+    def finish(self, data: st.DataObject) -> None:
+        """Finished or preempted: every group's blocks go back (cached ones stay cached)."""
+        self.release(data.draw(st.sampled_from(sorted(self.requests))))
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    @stepping
+    def load_fails(self, data: st.DataObject) -> None:
+        """A failed load in one group: its blocks are evicted by ID, then the request's
+        blocks in every group are freed (the recompute starts over)."""
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        g = data.draw(st.sampled_from(self.groups))
+        ids = {b.block_id for b in self.requests[rid][g] if not b.is_null}
+        self.pools[g].evict_blocks(ids)
+        self.release(rid)
+
+    @rule()
+    @stepping
+    def reset(self) -> None:
+        """Refused while any block is in use; else every group's cache is empty."""
+        busy = any(blocks for held in self.requests.values() for blocks in held)
+        ok = all(pool.reset_prefix_cache() for pool in self.pools)
+        self.drain_events()
+        if busy:
+            assert not ok
+        else:
+            assert ok and all(p.cache_entries() == [] for p in self.pools)
+
+    @rule(g=st.integers(0, 2), block_id=st.integers(1, 60), op=st.sampled_from(["free", "touch"]))
+    @stepping
+    def held_block_refused(self, g: int, block_id: int, op: str) -> None:
+        """A block the budget holds (its slab is not this group's) cannot be used."""
+        g %= len(self.groups)
+        pool = self.pools[g]
+        assume(block_id < pool.num_gpu_blocks)
+        block = pool.blocks[block_id]
+        if (
+            block.ref_cnt != 1
+            or any(block in held[g] for held in self.requests.values())
+            or block_id in pool.free_block_ids()
+        ):
+            return
+        before = _state(self.elastic, self.pools)
+        with pytest.raises(ValueError, match=f"block {block_id}"):
+            if op == "free":
+                pool.free_blocks([block])
+            else:
+                pool.touch([block])
+        with pytest.raises(ValueError, match=f"block {block_id}"):
+            block.ref_cnt = 2
+        assert _state(self.elastic, self.pools) == before, "a refused call changed the pools"
+
+    # ------------------------------------------------------------- invariants
+    @invariant()
+    def budget_and_pools_agree(self) -> None:
+        """The budget's accounting, the pools' counts and the requests' holdings agree."""
+        if not hasattr(self, "elastic"):
+            return
+        self.elastic.check_invariants()
+        for g, pool in enumerate(self.pools):
+            pool.check_invariants()
+            holders: Counter[int] = Counter(
+                b.block_id for held in self.requests.values() for b in held[g] if not b.is_null
+            )
+            counts = pool.ref_counts()
+            live = 0
+            for block_id, n in holders.items():
+                assert counts[block_id] == n, f"group {g}: block {block_id}"
+                live += 1
+            assert self.elastic.num_live_pages(g) == live, f"group {g}: live pages"
+        self.account(_state(self.elastic, self.pools))
+
+
+ElasticMachine.TestCase.settings = settings(max_examples=budget(300), stateful_step_count=50)
+test_elastic_machine = ElasticMachine.TestCase
+
+
+def test_memory_changes_owner_both_ways() -> None:
+    """Two groups take turns filling the budget: each takes the other's idle slabs back,
+    evicting their cached blocks (as BlockRemoved events of their own pool)."""
+    elastic = NativeElasticPools(64, 4, [16, 64])
+    pools = [BlockPool(elastic.num_pages(g), True, BS, True, label=f"g{g}") for g in (0, 1)]
+    for g, pool in enumerate(pools):
+        elastic.attach(g, pool)
+    a = pools[0].get_new_blocks(12)  # every slab
+    assert elastic.plan([([], 0), ([], 1)]) == (1, 1)
+    req = make_request(0, 12, BS)
+    pools[0].cache_full_blocks(req, a, 0, 12, BS, 0)
+    pools[0].free_blocks(a)
+    pools[0].take_events()
+    b = pools[1].get_new_blocks(3)
+    removed = [e for e in pools[0].take_events() if type(e).__name__ == "BlockRemoved"]
+    assert len(removed) == 12, "all three slabs' cached blocks evicted"
+    assert elastic.owner_changes(0) == (3, 3) and elastic.owner_changes(1) == (3, 0)
+    pools[1].free_blocks(b)
+    assert len(pools[0].get_new_blocks(4)) == 4
+    assert elastic.owner_changes(1) == (3, 1)
+    elastic.check_invariants()
+
+
+def test_attach_refuses_what_does_not_fit() -> None:
+    elastic = NativeElasticPools(64, 4, [16, 64])
+    with pytest.raises(ValueError, match="group 0: an elastic pool must be new with 16 blocks"):
+        elastic.attach(0, BlockPool(10, True, BS))
+    pool = BlockPool(16, True, BS)
+    pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match="must be new"):
+        elastic.attach(0, pool)
+    with pytest.raises(ValueError, match="group 2 is not in this byte budget"):
+        elastic.attach(2, BlockPool(4, True, BS))
+    with pytest.raises(RuntimeError, match="group 0 has no pool attached"):
+        elastic.plan([([], 1), ([], 0)])
