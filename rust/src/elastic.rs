@@ -253,7 +253,6 @@ pub fn plan(
     pools: &[&GroupPool],
     asks: &[GroupAsk],
 ) -> Result<Result<(), Shortfall>, PoolError> {
-    check_pools(budget, pools.len())?;
     if asks.len() != pools.len() {
         return Err(PoolError::InvalidArgument(format!(
             "a step names {} groups, the pools have {}",
@@ -261,14 +260,39 @@ pub fn plan(
             pools.len()
         )));
     }
-    for (g, ask) in asks.iter().enumerate() {
-        for &p in &ask.hits {
+    let hits: Vec<&[BlockId]> = asks.iter().map(|a| a.hits.as_slice()).collect();
+    let news: Vec<(GroupIndex, usize)> = asks.iter().map(|a| a.new).enumerate().collect();
+    plan_steps(budget, pools, &hits, &news)
+}
+
+/// [`plan`] for a step whose allocations come in a given order: `hits[g]` are taken first
+/// (all groups), then `news` in order, each `(group, new pages)` (a pool several KV-cache
+/// groups share is asked once per group, in the managers' order).
+pub fn plan_steps(
+    budget: &ByteBudget,
+    pools: &[&GroupPool],
+    hits: &[&[BlockId]],
+    news: &[(GroupIndex, usize)],
+) -> Result<Result<(), Shortfall>, PoolError> {
+    check_pools(budget, pools.len())?;
+    if hits.len() != pools.len() {
+        return Err(PoolError::InvalidArgument(format!(
+            "hits name {} groups, the pools have {}",
+            hits.len(),
+            pools.len()
+        )));
+    }
+    for (g, ids) in hits.iter().enumerate() {
+        for &p in ids.iter() {
             check_usable(budget, g, pools[g], p, "take a prefix hit on")?;
         }
     }
+    for &(g, _) in news {
+        budget.check_group(g)?;
+    }
     let mut v = new_virtual(budget, pools);
-    for (g, ask) in asks.iter().enumerate() {
-        for &p in &ask.hits {
+    for (g, ids) in hits.iter().enumerate() {
+        for &p in ids.iter() {
             if p != NULL_BLOCK_ID && pools[g].ref_cnt(p) == 0 && v.taken[g].insert(p) {
                 v.free[g] = v.free[g].saturating_sub(1);
                 if let Some(s) = budget.slab_of(g, p) {
@@ -277,8 +301,8 @@ pub fn plan(
             }
         }
     }
-    for (g, ask) in asks.iter().enumerate() {
-        if let Err(missing) = v.allocate(g, ask.new) {
+    for &(g, new) in news {
+        if let Err(missing) = v.allocate(g, new) {
             return Ok(Err(Shortfall { group: g, missing }));
         }
     }

@@ -111,7 +111,7 @@ class ElasticMachine(CountingMachine):
         hits = [self.hits(req, g)[: sizes[g]] for g in self.groups]
         new = [sizes[g] - len(hits[g]) for g in self.groups]
         before = _state(self.elastic, self.pools)
-        short = self.elastic.plan([(hits[g], new[g]) for g in self.groups])
+        short = self.elastic.plan(hits, [(g, new[g]) for g in self.groups])
         assert _state(self.elastic, self.pools) == before, "plan changed the pools"
         if short is not None:
             group, missing = short
@@ -231,7 +231,7 @@ def test_memory_changes_owner_both_ways() -> None:
     for g, pool in enumerate(pools):
         elastic.attach(g, pool)
     a = pools[0].get_new_blocks(12)  # every slab
-    assert elastic.plan([([], 0), ([], 1)]) == (1, 1)
+    assert elastic.plan([[], []], [(1, 1)]) == (1, 1)
     req = make_request(0, 12, BS)
     pools[0].cache_full_blocks(req, a, 0, 12, BS, 0)
     pools[0].free_blocks(a)
@@ -257,4 +257,4 @@ def test_attach_refuses_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="group 2 is not in this byte budget"):
         elastic.attach(2, BlockPool(4, True, BS))
     with pytest.raises(RuntimeError, match="group 0 has no pool attached"):
-        elastic.plan([([], 1), ([], 0)])
+        elastic.plan([[], []], [(0, 1)])

@@ -123,6 +123,18 @@ class PerGroupPoolsMixin:
     ) -> int:
         """The primary pool's share if every other pool can hold its own share now;
         otherwise a count the primary pool can never have free (see the module doc)."""
+        if self.pool_set.elastic is not None:
+            return self._elastic_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                num_encoder_tokens,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+                prefill_end,
+            )
         need = self.get_num_blocks_to_allocate_per_pool(
             request_id,
             num_tokens,
@@ -140,6 +152,67 @@ class PerGroupPoolsMixin:
                 return self.pool_set.primary.num_gpu_blocks + 1
         return need[primary]
 
+    def _elastic_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+        prefill_end: int,
+    ) -> int:
+        """Elastic pools: run the allocation policy for this request's step (its hits in
+        every group, then each group's new blocks in the managers' order) on the shared
+        budget. Fits: the primary pool's share, which vLLM compares with the primary's
+        obtainable count (watermark and reservations included); else a count it cannot
+        have."""
+        pool_set = self.pool_set
+        if self.retention_interval != 0:
+            prefill_end = 0
+        hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
+        news: list[tuple[int, int]] = []
+        primary_need = 0
+        for gid, manager in enumerate(self.single_type_managers):
+            idx = pool_set.pool_index_of_group(gid)
+            if isinstance(manager, CrossAttentionManager):
+                n = manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_encoder_tokens,
+                    [],
+                    0,
+                    0,
+                    num_encoder_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
+                group_hits: Sequence[Any] = ()
+            else:
+                group_hits = new_computed_blocks[gid]
+                n = manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    group_hits,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap,
+                    prefill_end=prefill_end,
+                )
+            # vLLM counts free hit blocks among the blocks to allocate; the plan takes the
+            # hits themselves, so only the rest are new (all of it where the manager may
+            # skip some hits, which over-counts and never under-counts).
+            skipped = manager.get_num_skipped_tokens(total_computed_tokens) if group_hits else 0
+            evictable = pool_set.pools[idx].count_evictable(group_hits) if not skipped else 0
+            hits[idx].extend(group_hits)
+            news.append((idx, max(0, n - evictable)))
+            if idx == pool_set.primary_index:
+                primary_need += n
+        if not pool_set.plan(hits, news):
+            return pool_set.get_num_free_blocks() + 1
+        return primary_need
+
     def reset_prefix_cache(self) -> bool:
         """All pools or none (vLLM resets pool by pool and may leave them disagreeing)."""
         return self.pool_set.reset_prefix_cache()
@@ -155,6 +228,7 @@ def _build_pool_set(
 ) -> PoolSet:
     return PoolSet(
         kv_cache_config.pool_layouts,
+        elastic=kv_cache_config.elastic,
         enable_caching=enable_caching,
         hash_block_size=hash_block_size,
         enable_kv_cache_events=enable_kv_cache_events,

@@ -27,13 +27,15 @@ from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
-from hybrid_alloc.integration.pool_set import PoolLayout, pool_of_each_group
+from hybrid_alloc.integration.pool_set import ElasticLayout, PoolLayout, pool_of_each_group
 
 
 @dataclass
 class PerGroupKVCacheConfig(KVCacheConfig):
     pool_layouts: tuple[PoolLayout, ...] = ()
     """One entry per pool; every group index appears in exactly one."""
+    elastic: ElasticLayout | None = None
+    """One byte budget for every pool (elastic pools); None: each pool its own blocks."""
     zero_new_blocks: bool = False
     """Whether new blocks are zeroed (stock vLLM's rule, :attr:`needs_kv_cache_zeroing`);
     the engine core's config sets it (:func:`.engine_sizing.build_config`). Zeroing needs

@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 
+from hybrid_alloc._native import NativeElasticPools
 from hybrid_alloc.integration.block_pool import BlockPool
 
 logger = logging.getLogger("hybrid_alloc")
@@ -42,6 +43,22 @@ class PoolLayout:
     num_blocks: int
     grows: bool
     label: str = ""
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """One byte budget for every pool of a `PoolSet` (elastic pools, ``rust/src/elastic.rs``).
+
+    Attributes:
+        slab_bytes: the unit memory is lent to a pool in.
+        num_slabs: slabs in the budget (slab 0 holds the null blocks).
+        page_bytes: per pool (in layout order), the bytes one of its blocks takes across
+            its layers.
+    """
+
+    slab_bytes: int
+    num_slabs: int
+    page_bytes: tuple[int, ...]
 
 
 def pool_of_each_group(layouts: Sequence[PoolLayout]) -> dict[int, int]:
@@ -88,8 +105,21 @@ class PoolSet:
         metrics_collector: Any = None,
         medium: str = MEDIUM_GPU,
         num_hash_lookahead_tokens: int = 0,
+        elastic: ElasticLayout | None = None,
     ) -> None:
         owner = pool_of_each_group(layouts)
+        # With an elastic layout each pool spans every page of one shared budget (its
+        # layout's num_blocks is not used) and memory is lent to the pool that needs it.
+        self.elastic: NativeElasticPools | None = None
+        if elastic is not None:
+            if len(elastic.page_bytes) != len(layouts):
+                raise ValueError(
+                    f"per-group pools: {len(elastic.page_bytes)} page sizes for "
+                    f"{len(layouts)} pools"
+                )
+            self.elastic = NativeElasticPools(
+                elastic.slab_bytes, elastic.num_slabs, list(elastic.page_bytes), label="elastic"
+            )
         num_groups = len(owner)
         self.layouts: tuple[PoolLayout, ...] = tuple(layouts)
         self.enable_caching = enable_caching
@@ -103,9 +133,13 @@ class PoolSet:
             if num_hash_lookahead_tokens
             else {}
         )
+        sizes = [
+            layout.num_blocks if self.elastic is None else self.elastic.num_pages(idx)
+            for idx, layout in enumerate(layouts)
+        ]
         self.pools: tuple[BlockPool, ...] = tuple(
             BlockPool(
-                layout.num_blocks,
+                sizes[idx],
                 enable_caching,
                 hash_block_size,
                 enable_kv_cache_events,
@@ -121,6 +155,9 @@ class PoolSet:
         self._events: list[KVCacheEvent] = []
         for pool in self.pools:
             pool.kv_event_queue = self._events
+        if self.elastic is not None:
+            for idx, pool in enumerate(self.pools):
+                self.elastic.attach(idx, pool)
         self._pool_of_group: tuple[int, ...] = tuple(owner[g] for g in range(num_groups))
         growing = [i for i, layout in enumerate(layouts) if layout.grows]
         self.primary_index: int = growing[0] if growing else 0
@@ -167,7 +204,13 @@ class PoolSet:
         per-group coordinator makes its required count refer to the primary pool and
         refuses, before that comparison, any allocation another pool cannot hold.
         """
-        pool = self.primary if pool_index is None else self.pools[pool_index]
+        idx = self.primary_index if pool_index is None else pool_index
+        pool = self.pools[idx]
+        if self.elastic is not None:
+            # What this pool could have now: its free blocks and any slab no block pins
+            # (shared by every pool: the coordinator's plan decides, this bounds it).
+            fully_free = self.elastic.num_fully_free * self.elastic.pages_per_slab(idx)
+            return pool.get_num_free_blocks() + fully_free
         return pool.get_num_free_blocks()
 
     def free_counts(self) -> tuple[int, ...]:
@@ -177,8 +220,21 @@ class PoolSet:
         return tuple(pool.get_usage() for pool in self.pools)
 
     def get_usage(self) -> float:
-        """The fullest pool's usage: a full pool stops admission whichever pool it is."""
+        """The fullest pool's usage: a full pool stops admission whichever pool it is.
+        Elastic pools: the share of the budget's bytes in use."""
+        if self.elastic is not None:
+            e = self.elastic
+            lendable = (e.num_slabs - 1) * e.slab_bytes
+            live = sum(e.num_live_pages(i) * e.page_bytes(i) for i in range(len(self.pools)))
+            return live / lendable
         return max(self.usages())
+
+    def plan(self, hits: Sequence[Sequence[Any]], news: Sequence[tuple[int, int]]) -> bool:
+        """Elastic pools: whether a step fits (``hits[i]``: pool i's prefix-hit blocks,
+        taken first; ``news``: (pool index, new blocks) in allocation order)."""
+        if self.elastic is None:
+            raise RuntimeError("PoolSet.plan: the pools are not elastic")
+        return self.elastic.plan(list(hits), list(news)) is None
 
     # ------------------------------------------------------------ block traffic
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
@@ -226,11 +282,12 @@ class PoolSet:
     def reset_prefix_cache(self) -> bool:
         """Drop every pool's cached hashes, or none: refused (False) while any pool has a
         block in use, so the pools never disagree about what is cached."""
-        busy = [
-            (pool.label, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        in_use = [
+            (pool.label, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks() - held)
             for pool in self.pools
-            if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1
+            for held in [pool._held_by_budget()]
         ]
+        busy = [(label, n) for label, n in in_use if n]
         if busy:
             logger.warning(
                 "Failed to reset prefix cache because some blocks are not freed yet: %s",
@@ -260,6 +317,8 @@ class PoolSet:
     def check_invariants(self) -> None:
         for pool in self.pools:
             pool.check_invariants()
+        if self.elastic is not None:
+            self.elastic.check_invariants()
 
     def __repr__(self) -> str:
         body = ", ".join(

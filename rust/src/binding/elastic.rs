@@ -6,7 +6,7 @@
 use super::convert::pool_error;
 use super::pool::NativeBlockPool;
 use crate::byte_budget::{ByteBudget, GroupIndex};
-use crate::elastic::{self, GroupAsk};
+use crate::elastic;
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, GroupPool};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -158,29 +158,37 @@ impl NativeElasticPools {
         Ok(())
     }
 
-    /// Whether a step fits: `asks[g]` is (prefix-hit blocks of group g, new blocks). None
-    /// if it does, else (the first group short, blocks missing).
+    /// Whether a step fits: `hits[g]` are group g's prefix-hit blocks (taken first), then
+    /// `news` lists (group, new blocks) in the order the groups allocate. None if it
+    /// fits, else (the first group short, blocks missing).
     fn plan(
         slf: &Bound<'_, Self>,
-        asks: Vec<(Bound<'_, PyAny>, usize)>,
+        hits: Vec<Bound<'_, PyAny>>,
+        news: Vec<(i64, usize)>,
     ) -> PyResult<Option<(usize, usize)>> {
         let py = slf.py();
         let pools = slf.try_borrow()?.attached(py)?;
-        let mut core_asks = Vec::with_capacity(asks.len());
-        for (g, (hits, new)) in asks.into_iter().enumerate() {
-            let hits = match pools.get(g) {
-                Some(p) => NativeBlockPool::own_ids(p.bind(py), &hits, "plan")?,
+        let mut hit_ids = Vec::with_capacity(hits.len());
+        for (g, blocks) in hits.iter().enumerate() {
+            hit_ids.push(match pools.get(g) {
+                Some(p) => NativeBlockPool::own_ids(p.bind(py), blocks, "plan")?,
                 None => Vec::new(),
-            };
-            core_asks.push(GroupAsk { hits, new });
+            });
         }
+        let this = slf.try_borrow()?;
+        let news = news
+            .into_iter()
+            .map(|(g, n)| Ok((this.group(g)?, n)))
+            .collect::<PyResult<Vec<_>>>()?;
         let guards = pools
             .iter()
             .map(|p| p.bind(py).try_borrow())
             .collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<&GroupPool> = guards.iter().map(|g| &g.core).collect();
-        let this = slf.try_borrow()?;
-        match elastic::plan(&this.budget, &refs, &core_asks).map_err(|e| this.error(e))? {
+        let hit_refs: Vec<&[BlockId]> = hit_ids.iter().map(Vec::as_slice).collect();
+        match elastic::plan_steps(&this.budget, &refs, &hit_refs, &news)
+            .map_err(|e| this.error(e))?
+        {
             Ok(()) => Ok(None),
             Err(short) => Ok(Some((short.group, short.missing))),
         }

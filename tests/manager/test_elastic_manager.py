@@ -1,0 +1,163 @@
+"""vLLM's own `KVCacheManager` over elastic per-group pools (one byte budget under an
+attention pool and a Mamba 'align' state pool): the coordinator admits a request only if
+the allocation policy, run on the whole step, finds every block, so ``allocate_slots``
+either refuses (None) or gets every block, never raising mid-step; freed memory goes to
+whichever pool needs it next, in both directions; the pools and the budget stay
+consistent after every call.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.request import Request, RequestStatus
+
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.integration.pool_set import ElasticLayout, PoolSet
+from tests.helpers import (
+    PER_GROUP_LAYOUTS,
+    new_request,
+    per_group_config,
+    per_group_manager,
+)
+
+LAYOUTS = ("full+mamba_align", "full+mamba_none", "full+swa+mamba_align")
+
+
+def elastic_config(layout: str, num_slabs: int) -> PerGroupKVCacheConfig:
+    """The layout's per-group config with one byte budget of ``num_slabs`` slabs, each the
+    least common multiple of the pools' page sizes."""
+    specs = PER_GROUP_LAYOUTS[layout]
+    config = per_group_config(specs, [2] * len(specs))
+    pages = tuple(specs[layout_.group_ids[0]].page_size_bytes for layout_ in config.pool_layouts)
+    slab = math.lcm(*pages)
+    config.elastic = ElasticLayout(slab_bytes=slab, num_slabs=num_slabs, page_bytes=pages)
+    return config
+
+
+class Driver:
+    def __init__(self, layout: str, num_slabs: int) -> None:
+        self.mgr = per_group_manager(elastic_config(layout, num_slabs))
+        self.pools: PoolSet = self.mgr.coordinator.pool_set  # type: ignore[attr-defined]
+        assert self.pools.elastic is not None
+        self.running: dict[str, Request] = {}
+        self.refused = 0
+
+    def admit(self, rid: str, tokens: list[int], max_tokens: int) -> bool:
+        req = new_request(rid, tokens, max_tokens)
+        blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
+        new = self.mgr.allocate_slots(
+            req,
+            req.num_tokens - num_hit,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=blocks,
+            full_sequence_must_fit=True,
+        )
+        if new is None:
+            self.refused += 1
+            return False
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = req.num_tokens
+        req.append_output_token_ids(7)
+        self.running[rid] = req
+        return True
+
+    def decode(self, rid: str, token: int) -> bool:
+        req = self.running[rid]
+        if self.mgr.allocate_slots(req, 1) is None:
+            self.refused += 1
+            return False
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(token)
+        return True
+
+    def finish(self, rid: str) -> None:
+        self.mgr.free(self.running.pop(rid))
+
+    def check(self) -> None:
+        self.pools.check_invariants()
+        managers = self.mgr.coordinator.single_type_managers
+        for idx, pool in enumerate(self.pools):
+            groups = {g for g in range(len(managers)) if self.pools.pool_index_of_group(g) == idx}
+            # Held pages count as held by nobody here: compare only the requests' blocks.
+            holders = check_our_pool_counts(pool, [managers[g] for g in sorted(groups)])
+            assert holders, "a pool's counts disagree with its managers"
+
+
+def check_our_pool_counts(pool: Any, managers: list[Any]) -> bool:
+    """Each block's count is the number of request block tables holding it (the pages the
+    budget holds are outside every table and have exactly one reference)."""
+    held: dict[int, int] = {}
+    for manager in managers:
+        for blocks in manager.req_to_blocks.values():
+            for b in blocks:
+                if not b.is_null:
+                    held[b.block_id] = held.get(b.block_id, 0) + 1
+    counts = pool.ref_counts()
+    return all(counts[i] == n for i, n in held.items())
+
+
+def run(d: Driver, seed: int, phases: list[tuple[int, int]]) -> None:
+    """Phases of (prompt length, count) requests; decodes; preempt on a failed decode."""
+    rng = random.Random(seed)
+    token = 11
+    for length, count in phases:
+        pending = [
+            (f"r{length}-{i}", [rng.randrange(5000) for _ in range(length)], rng.randrange(4, 24))
+            for i in range(count)
+        ]
+        remaining = {rid: m for rid, _, m in pending}
+        for _ in range(400):
+            if not pending and not d.running:
+                break
+            d.mgr.new_step_starts()
+            for _ in range(rng.randrange(1, 4)):
+                if pending and d.admit(*pending[0]):
+                    pending.pop(0)
+            for rid in list(d.running):
+                token = (token * 31 + 7) % 5000
+                if not d.decode(rid, token):
+                    req = d.running[rid]
+                    d.finish(rid)
+                    pending.append((rid, list(req.prompt_token_ids or []), remaining[rid]))
+                    continue
+                remaining[rid] -= 1
+                if remaining[rid] <= 0:
+                    d.finish(rid)
+            d.check()
+        assert not pending and not d.running, "a phase did not finish"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 10_000), num_slabs=st.integers(6, 14))
+def test_admitted_steps_get_their_blocks(layout: str, seed: int, num_slabs: int) -> None:
+    """Short requests, long ones, short again, through a budget that cannot hold them all
+    at once: every admitted step gets its blocks (vLLM would raise otherwise), the budget
+    agrees with the pools after every step, and every block comes back."""
+    d = Driver(layout, num_slabs)
+    run(d, seed, [(20, 30), (150, 8), (20, 30)])
+    e = d.pools.elastic
+    assert e is not None
+    assert all(e.num_live_pages(i) == 0 for i in range(len(d.pools)))
+    assert d.mgr.reset_prefix_cache()
+
+
+def test_memory_changes_owner_both_ways() -> None:
+    """Many short requests hold many state blocks at once; then long ones need attention
+    blocks: slabs move from the state pool to the attention pool and, when short requests
+    return, back."""
+    d = Driver("full+mamba_none", 8)
+    e = d.pools.elastic
+    assert e is not None
+    run(d, 1, [(8, 60)])
+    assert [e.owner_changes(i)[1] for i in range(2)] == [0, 0], "unowned slabs first"
+    run(d, 2, [(400, 4)])
+    assert e.owner_changes(1)[1] > 0, "the state pool gave a slab to the attention pool"
+    run(d, 3, [(8, 60)])
+    assert e.owner_changes(0)[1] > 0, "the attention pool gave a slab back"
