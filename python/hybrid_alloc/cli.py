@@ -339,7 +339,8 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         "--layouts",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
         default=["stock", "per-group"],
-        help="comma-separated: stock, per-group (default both)",
+        help="comma-separated: stock, per-group, elastic (default stock, per-group; "
+        "elastic: per-group pools over one byte budget, scheduler side only)",
     )
     s.add_argument("--json", metavar="FILE.json", help="write the results (with time series)")
     s.add_argument("--plot", metavar="FILE.png", help="running requests and KV usage over time")

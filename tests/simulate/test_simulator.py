@@ -1,4 +1,4 @@
-"""The serving simulator: random traces finish on both layouts without leaking blocks,
+"""The serving simulator: random traces finish on every layout without leaking blocks,
 the layouts it builds are the ones the capacity planner predicts, the fake model runner
 behaves as vLLM's runners do, and the ``hybrid-alloc simulate`` command."""
 
@@ -84,8 +84,11 @@ def test_random_traces_finish_without_leaks(
         max_num_batched_tokens=batched,
         max_model_len=SMALL_MAX_MODEL_LEN,
     )
-    result = sim.simulate(name, config, trace)
+    # A bound on steps: a layout that can never admit a request fails instead of hanging.
+    result = sim.simulate(name, config, trace, layouts=sim.ALL_LAYOUTS, max_steps=100_000)
     for layout, r in result.layouts.items():
+        if layout == "elastic" and r.error and "one " in r.error and "request needs" in r.error:
+            continue  # refused at startup, as vLLM refuses a budget without one request
         assert r.ok, f"{layout}: {r.error}"
         assert r.finished == r.requests == len(trace)
         assert r.leaked_blocks and all(n == 0 for n in r.leaked_blocks.values()), r.leaked_blocks
@@ -96,6 +99,9 @@ def test_random_traces_finish_without_leaks(
             assert r.prefix_queries == r.prefix_hits == 0
     assert result.layouts["per-group"].invariants_ok is True
     assert len(result.layouts["per-group"].pools) >= 2
+    # Elastic pools: the budget and every pool agree at the end (check_invariants).
+    elastic = result.layouts["elastic"]
+    assert elastic.invariants_ok is True or elastic.error, elastic
 
 
 # ------------------------------------------------------------------ layouts vs the planner

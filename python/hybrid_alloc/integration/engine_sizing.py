@@ -44,9 +44,10 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybrid_alloc import sizing
+from hybrid_alloc._native import NativeByteBudget
 from hybrid_alloc.integration import versions
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import PoolLayout
+from hybrid_alloc.integration.pool_set import ElasticLayout, PoolLayout
 from hybrid_alloc.sizing import ALIGN_CACHE_FACTOR as ALIGN_CACHE_FACTOR
 from hybrid_alloc.sizing import REGION_ALIGNMENT as REGION_ALIGNMENT
 
@@ -469,6 +470,59 @@ def build_config(
         vllm_config.parallel_config.decode_context_parallel_size,
     )
     return config
+
+
+ELASTIC_PAGES_PER_SLAB = 8
+"""Pages of the largest pool in one slab of elastic pools, at most: slabs are whole
+multiples of its page, so the largest pool loses nothing at slab edges and the others at
+most two pages per slab."""
+
+ELASTIC_MIN_SLABS = 64
+"""Slabs the budget is cut into at least (fewer pages per slab on small memory), so that
+one slab is a small share of it."""
+
+
+def elastic_layout(
+    vllm_config: Any, config: PerGroupKVCacheConfig, available_bytes: int
+) -> ElasticLayout:
+    """One byte budget of ``available_bytes`` for every pool of ``config`` (the elastic
+    layout): each pool's page is one block across the layers of its groups; a slab is up
+    to :data:`ELASTIC_PAGES_PER_SLAB` pages of the largest pool (fewer where that would
+    leave under :data:`ELASTIC_MIN_SLABS` slabs), or a whole multiple of every pool's page
+    where one is at most twice that.
+
+    Raises:
+        ValueError: one ``max_model_len`` request does not fit (what vLLM's own check
+            refuses at startup): the slabs its blocks need, plus slab 0 (null blocks).
+    """
+    pages: list[int] = []
+    per_request: list[int] = []
+    for layout in config.pool_layouts:
+        groups = [config.kv_cache_groups[g] for g in layout.group_ids]
+        pages.append(sum(_page_stride(g.kv_cache_spec) * len(g.layer_names) for g in groups))
+        per_request.append(
+            sum(
+                group_needs(vllm_config, g, config.kv_cache_groups[g]).blocks_per_request
+                for g in layout.group_ids
+            )
+        )
+    largest = max(pages)
+    per_slab = max(1, min(ELASTIC_PAGES_PER_SLAB, available_bytes // (ELASTIC_MIN_SLABS * largest)))
+    slab = largest * per_slab
+    common = math.lcm(*pages)
+    if common <= slab * 2:
+        # A whole multiple of every page: no pool loses anything at slab edges.
+        slab = common * max(1, slab // common)
+    num_slabs = available_bytes // slab
+    budget = NativeByteBudget(slab, max(num_slabs, 2), pages)
+    needed = 1 + sum(cdiv(n, budget.pages_per_slab(i)) for i, n in enumerate(per_request))
+    if num_slabs < needed:
+        raise ValueError(
+            f"elastic per-group pools: one {vllm_config.model_config.max_model_len:,}-token "
+            f"request needs {needed} slabs of {slab:,} bytes (slab 0 holds the null blocks), "
+            f"{available_bytes:,} bytes of KV-cache memory hold {num_slabs}"
+        )
+    return ElasticLayout(slab_bytes=slab, num_slabs=num_slabs, page_bytes=tuple(pages))
 
 
 def _partial_hits_would_be_on(vllm_config: Any, groups: list[KVCacheGroupSpec]) -> bool:

@@ -83,6 +83,9 @@ from hybrid_alloc.planner import load_config
 from hybrid_alloc.traces import TokenStreams, Trace, TraceRequest
 
 LAYOUTS = ("stock", "per-group")
+ALL_LAYOUTS = (*LAYOUTS, "elastic")
+"""``elastic``: per-group pools over one byte budget (:mod:`hybrid_alloc.integration.pool_set`'s
+`ElasticLayout`), scheduler side only: the engine does not build it yet."""
 PLATFORMS = ("cuda", "cpu")
 MAMBA_CACHE_MODES = ("none", "align")
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -271,8 +274,8 @@ class SimResult:
 def layout_installed(layout: str) -> Iterator[None]:
     """This package's hooks as ``layout`` needs them (stock: none; per-group: Rust pools
     with per-group pools), the previous state put back on exit."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout not in ALL_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(ALL_LAYOUTS)}, got {layout!r}")
     previous = integration.installed()
     try:
         if layout == "stock":
@@ -637,6 +640,13 @@ def build_engine(
         backends.append(get_mamba_attn_backend(_mamba_type(model)))
     executor = _StandInExecutor(specs, settings.memory, backends)
     kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
+    if layout == "elastic":
+        from hybrid_alloc.integration.engine_sizing import elastic_layout
+        from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+
+        if not isinstance(kv_cache_config, PerGroupKVCacheConfig):
+            raise ValueError("elastic pools: per-group pools do not serve this model")
+        kv_cache_config.elastic = elastic_layout(vllm_config, kv_cache_config, settings.memory)
     structured = StructuredOutputManager(vllm_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
@@ -795,6 +805,10 @@ def run_engine(
         (pool, info.block_bytes)
         for pool, info in zip(engine.pools(), engine.describe_pools(), strict=True)
     ]
+    pool_set = scheduler.kv_cache_manager.block_pool
+    elastic = getattr(pool_set, "elastic", None) is not None
+    # Elastic pools: the share of the one budget in use; else the attention pool's usage.
+    get_usage = pool_set.get_usage if elastic else attention_pool.get_usage
     held_sum = 0.0
     step = 0
     wave = -1
@@ -844,9 +858,18 @@ def run_engine(
             result.prefix_hits += stats.prefix_cache_stats.hits
         running = len(out.num_scheduled_tokens)
         waiting = stats.num_waiting_reqs if stats is not None else len(scheduler.waiting)
-        usage = attention_pool.get_usage()
+        usage = get_usage()
         kv_sum += usage
-        held = sum((p.num_gpu_blocks - 1 - p.get_num_free_blocks()) * b for p, b in pool_bytes)
+        held = sum(
+            (
+                p.num_gpu_blocks
+                - 1
+                - p.get_num_free_blocks()
+                - (p._held_by_budget() if elastic else 0)
+            )
+            * b
+            for p, b in pool_bytes
+        )
         held_sum += held
         result.peak_kv_held_bytes = max(result.peak_kv_held_bytes, held)
         series["kv_held_gib"].append(round(held / (1 << 30), 5))
@@ -887,6 +910,8 @@ def _final_checks(engine: SimEngine, result: LayoutResult) -> None:
     for i, pool in enumerate(engine.pools()):
         label = str(getattr(pool, "label", "") or f"pool{i}")
         held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        # Elastic pools: blocks of memory lent to other pools are held by the budget.
+        held -= getattr(pool, "_held_by_budget", lambda: 0)()
         result.leaked_blocks[label] = held
         check = getattr(pool, "check_invariants", None)
         if check is not None:
