@@ -473,9 +473,14 @@ def build_config(
 
 
 ELASTIC_PAGES_PER_SLAB = 8
-"""Pages of the largest pool in one slab of elastic pools, at most: slabs are whole
+"""Pages of the largest pool in one slab of elastic pools, at most. Slabs are whole
 multiples of its page, so the largest pool loses nothing at slab edges and the others at
-most two pages per slab."""
+most two pages per slab. Within that bound :func:`elastic_layout` takes the slab that
+loses the smallest share at slab edges, the smallest such: fine slabs strand the least
+memory in partly used slabs, but where other pools' pages do not divide them they lose
+pages at every edge (measured over the simulated matrix: 8 pages per slab everywhere left
+six cells 0.95-0.99x of stock's throughput, one page everywhere ten others)."""
+
 
 ELASTIC_MIN_SLABS = 64
 """Slabs the budget is cut into at least (fewer pages per slab on small memory), so that
@@ -507,12 +512,22 @@ def elastic_layout(
             )
         )
     largest = max(pages)
-    per_slab = max(1, min(ELASTIC_PAGES_PER_SLAB, available_bytes // (ELASTIC_MIN_SLABS * largest)))
-    slab = largest * per_slab
+    most = max(1, min(ELASTIC_PAGES_PER_SLAB, available_bytes // (ELASTIC_MIN_SLABS * largest)))
     common = math.lcm(*pages)
-    if common <= slab * 2:
-        # A whole multiple of every page: no pool loses anything at slab edges.
-        slab = common * max(1, slab // common)
+
+    def slab_of(per_slab: int) -> int:
+        slab = largest * per_slab
+        if common <= slab * 2:
+            # A whole multiple of every page: no pool loses anything at slab edges.
+            slab = common * max(1, slab // common)
+        return slab
+
+    def edge_loss(slab: int) -> float:
+        probe = NativeByteBudget(slab, 2, pages)
+        return max(probe.slab_waste_bytes(i) for i in range(len(pages))) / slab
+
+    # The least edge loss; among equal losses, the finest slab.
+    slab = min((slab_of(k) for k in range(1, most + 1)), key=lambda b: (edge_loss(b), b))
     num_slabs = available_bytes // slab
     budget = NativeByteBudget(slab, max(num_slabs, 2), pages)
     needed = 1 + sum(cdiv(n, budget.pages_per_slab(i)) for i, n in enumerate(per_request))
