@@ -24,7 +24,7 @@ gets vLLM's coordinator unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core import kv_cache_manager as _kv_cache_manager
@@ -66,6 +66,48 @@ class PerGroupPoolsMixin:
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
 
+    def _manager_needs(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+        prefill_end: int,
+    ) -> Iterator[tuple[int, Any, Sequence[Any], int]]:
+        """(group, manager, its prefix-hit blocks, blocks it needs) per manager, in order:
+        the per-manager counts vLLM's coordinator sums."""
+        if self.retention_interval != 0:
+            prefill_end = 0
+        for gid, manager in enumerate(self.single_type_managers):
+            if isinstance(manager, CrossAttentionManager):
+                n = manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_encoder_tokens,
+                    [],
+                    0,
+                    0,
+                    num_encoder_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
+                yield gid, manager, (), n
+            else:
+                hits = new_computed_blocks[gid]
+                n = manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    hits,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap,
+                    prefill_end=prefill_end,
+                )
+                yield gid, manager, hits, n
+
     def get_num_blocks_to_allocate_per_pool(
         self,
         request_id: str,
@@ -82,30 +124,17 @@ class PerGroupPoolsMixin:
         coordinator sums in ``KVCacheCoordinator.get_num_blocks_to_allocate``, summed
         per pool instead)."""
         need = [0] * len(self.pool_set)
-        if self.retention_interval != 0:
-            prefill_end = 0
-        for gid, manager in enumerate(self.single_type_managers):
-            if isinstance(manager, CrossAttentionManager):
-                n = manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_encoder_tokens,
-                    [],
-                    0,
-                    0,
-                    num_encoder_tokens,
-                    apply_admission_cap=apply_admission_cap,
-                )
-            else:
-                n = manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens,
-                    new_computed_blocks[gid],
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap=apply_admission_cap,
-                    prefill_end=prefill_end,
-                )
+        for gid, _, _, n in self._manager_needs(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        ):
             need[self.pool_set.pool_index_of_group(gid)] += n
         return need
 
@@ -170,36 +199,21 @@ class PerGroupPoolsMixin:
         obtainable count (watermark and reservations included); else a count it cannot
         have."""
         pool_set = self.pool_set
-        if self.retention_interval != 0:
-            prefill_end = 0
         hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
         news: list[tuple[int, int]] = []
         primary_need = 0
-        for gid, manager in enumerate(self.single_type_managers):
+        for gid, manager, group_hits, n in self._manager_needs(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        ):
             idx = pool_set.pool_index_of_group(gid)
-            if isinstance(manager, CrossAttentionManager):
-                n = manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_encoder_tokens,
-                    [],
-                    0,
-                    0,
-                    num_encoder_tokens,
-                    apply_admission_cap=apply_admission_cap,
-                )
-                group_hits: Sequence[Any] = ()
-            else:
-                group_hits = new_computed_blocks[gid]
-                n = manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens,
-                    group_hits,
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap=apply_admission_cap,
-                    prefill_end=prefill_end,
-                )
             # vLLM counts free hit blocks among the blocks to allocate; the plan takes the
             # hits themselves, so only the rest are new (all of it where the manager may
             # skip some hits, which over-counts and never under-counts).
