@@ -622,13 +622,23 @@ def check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: boo
     assert probe["coordinator"] == f"hybrid_alloc.integration.coordinator.{coordinator}"
     assert probe["block_pool"] == POOL_SET
     log = ours["log_text"]
-    assert "hybrid_alloc: per-group KV-cache pools: group" in log
+    elastic = "elastic" in probe
+    if elastic:
+        assert "hybrid_alloc: elastic per-group KV-cache pools: one budget of" in log
+    else:
+        assert "hybrid_alloc: per-group KV-cache pools: group" in log
     assert "Padding mamba page size" not in log
     assert "Setting attention block size" not in log
     assert ours["reset_prefix_cache_ok"] is True
     for event in ("before_reset", "after_reset"):
         state = ours["probe"][event]
-        assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
+        if elastic:
+            # Every block back: no live page in any pool, every slab but slab 0 free.
+            budget = state["elastic"]
+            assert budget["live_pages"] == [0] * len(budget["live_pages"]), event
+            assert budget["fully_free"] == budget["num_slabs"] - 1, event
+        else:
+            assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
 
 
 def _resumes(run: dict[str, Any]) -> dict[int, list[list[int]]]:

@@ -123,7 +123,11 @@ def report(p: Plan, out: TextIO | None = None) -> None:
     used = f"{format_bytes(ours.total_bytes)} used"
     if ours.feasible:
         used += f", {format_bytes(p.ours_unused_bytes)} left over"
-    print(f"ours: one pool per group at its natural page size, {used}", file=out)
+    print(
+        f"static split (HYBRID_ALLOC_ELASTIC_POOLS=0): one pool per group at its natural "
+        f"page size, sized up front, {used}",
+        file=out,
+    )
     _group_table(ours, out)
     if not ours.feasible:
         print(
@@ -134,19 +138,25 @@ def report(p: Plan, out: TextIO | None = None) -> None:
             file=out,
         )
     print(file=out)
+    _elastic_section(p, out)
     seqs = f"stock @{prm.max_num_seqs} seqs"
     lines = [
         ("stock (vLLM's figure)", stock.tokens, f"{stock.concurrency:.2f}x"),
         (seqs, stock.tokens_at_max_num_seqs, ""),
-        ("ours", ours.tokens, f"{ours.concurrency:.2f}x"),
-        ("physical limit", phys.tokens, f"{phys.concurrency:.2f}x"),
+        ("static split", ours.tokens, f"{ours.concurrency:.2f}x"),
     ]
+    if p.elastic is not None:
+        lines.append(("elastic (default)", p.elastic.tokens, f"{p.elastic.concurrency:.2f}x"))
+    lines.append(("physical limit", phys.tokens, f"{phys.concurrency:.2f}x"))
     print(f"  {'':24}{'tokens':>14}  concurrency @ {prm.max_model_len:,}", file=out)
     for label, tokens, conc in lines:
         print(f"  {label:24}{tokens:>14,}  {conc}", file=out)
-    ratios = [f"ours / physical {_ratio(ours.tokens, phys.tokens, pct=True)}"]
-    ratios.append(f"ours / stock {_ratio(ours.tokens, stock.tokens)}")
-    ratios.append(f"ours / {seqs} {_ratio(ours.tokens, stock.tokens_at_max_num_seqs)}")
+    ratios = []
+    if p.elastic is not None:
+        ratios.append(f"elastic / stock {_ratio(p.elastic.tokens, stock.tokens)}")
+    ratios.append(f"static / physical {_ratio(ours.tokens, phys.tokens, pct=True)}")
+    ratios.append(f"static / stock {_ratio(ours.tokens, stock.tokens)}")
+    ratios.append(f"static / {seqs} {_ratio(ours.tokens, stock.tokens_at_max_num_seqs)}")
     print("  " + ", ".join(ratios), file=out)
     if stock.concurrency < prm.max_num_seqs and any(not r.grows for r in ours.rows):
         print(
@@ -155,6 +165,36 @@ def report(p: Plan, out: TextIO | None = None) -> None:
             f"state for all {prm.max_num_seqs} sequences.",
             file=out,
         )
+
+
+def _elastic_section(p: Plan, out: TextIO) -> None:
+    e = p.elastic
+    if e is None:
+        print(
+            f"elastic (the default): one {p.params.max_model_len:,}-token request does not "
+            "fit in this memory",
+            file=out,
+        )
+        print(file=out)
+        return
+    print(
+        f"elastic (the default): one budget of {e.num_slabs:,} slabs x "
+        f"{format_bytes(e.slab_bytes)} = {format_bytes(e.budget_bytes)} lent to each group's "
+        f"pool while it needs it (slab edges lose at most {e.edge_waste:.1%} of a slab)",
+        file=out,
+    )
+    for g, n, per_slab, pages in zip(p.groups, e.needs, e.pages_per_slab, e.num_pages, strict=True):
+        print(
+            f"  {g.label:32} {format_bytes(n.block_bytes):>10} a block, {per_slab:>4} a slab, "
+            f"up to {pages - 1:,} blocks",
+            file=out,
+        )
+    print(
+        "  capacity below: all of the budget going to max_model_len requests, each with its "
+        "states; shorter requests fit more, the split follows the traffic",
+        file=out,
+    )
+    print(file=out)
 
 
 def _ratio(a: int, b: int, pct: bool = False) -> str:

@@ -258,6 +258,9 @@ class Plan:
     stock: StockLayout
     ours: Layout
     physical: PhysicalLimit
+    elastic: sizing.ElasticSizing | None = None
+    """Elastic per-group pools (the engine's default): one byte budget every group's pool
+    draws from; None where one ``max_model_len`` request does not fit."""
 
     @property
     def ours_unused_bytes(self) -> int:
@@ -625,7 +628,19 @@ def plan(
         stock=_stock(model, stock_groups, params),
         ours=ours_layout(groups, params),
         physical=_physical(model, params),
+        elastic=elastic_layout(groups, params),
     )
+
+
+def elastic_layout(groups: list[KVGroup], p: PlanParams) -> sizing.ElasticSizing | None:
+    """Elastic pools as :func:`hybrid_alloc.sizing.size_elastic` sizes them (the engine's
+    sizing model); None where one ``max_model_len`` request does not fit."""
+    try:
+        return sizing.size_elastic(
+            group_needs(groups, p), p.kv_bytes, max_model_len=p.max_model_len
+        )
+    except sizing.SizingError:
+        return None
 
 
 def summary(p: Plan) -> Mapping[str, float]:
@@ -641,4 +656,7 @@ def summary(p: Plan) -> Mapping[str, float]:
         "stock_concurrency": p.stock.concurrency,
         "ours_concurrency": p.ours.concurrency,
         "physical_concurrency": p.physical.concurrency,
+        "elastic_tokens": p.elastic.tokens if p.elastic else 0,
+        "elastic_concurrency": p.elastic.concurrency if p.elastic else 0.0,
+        "elastic_over_stock": (p.elastic.tokens if p.elastic else 0) / stock if stock else math.inf,
     }

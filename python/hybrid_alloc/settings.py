@@ -1,4 +1,4 @@
-"""The two environment switches users set, parsed without importing vLLM.
+"""The environment switches users set, parsed without importing vLLM.
 
 * ``HYBRID_ALLOC_BACKEND``: which block pool vLLM's KV-cache coordinator builds. ``rust``
   (the default once hybrid_alloc is installed) selects the Rust pool; ``vllm`` keeps vLLM's
@@ -6,6 +6,9 @@
 * ``HYBRID_ALLOC_PER_GROUP_POOLS``: with the Rust backend, whether hybrid models get one pool
   per KV-cache group (default on; ``0`` keeps the Rust pool a drop-in for vLLM's one shared
   pool).
+* ``HYBRID_ALLOC_ELASTIC_POOLS``: with per-group pools, whether the pools share one byte
+  budget that moves between them with the traffic (``1``) rather than a static split
+  sized up front for ``max_num_seqs`` requests (unset or ``0``, for now).
 * ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX``: on vLLM 0.32 CPU platforms, whether the plugin corrects
   the GDN speculative-decoding conv history (default on; :mod:`hybrid_alloc.integration.
   cpu_gdn_spec`). Applied with both backends, so they run the same kernel.
@@ -29,8 +32,11 @@ _FALSE = ("0", "false", "no", "off")
 
 CPU_GDN_SPEC_FIX_ENV_VAR = "HYBRID_ALLOC_CPU_GDN_SPEC_FIX"
 
+ELASTIC_ENV_VAR = "HYBRID_ALLOC_ELASTIC_POOLS"
+ELASTIC_DEFAULT = False
+
 PREFIX = "HYBRID_ALLOC_"
-SWITCHES = (ENV_VAR, PER_GROUP_ENV_VAR, CPU_GDN_SPEC_FIX_ENV_VAR)
+SWITCHES = (ENV_VAR, PER_GROUP_ENV_VAR, ELASTIC_ENV_VAR, CPU_GDN_SPEC_FIX_ENV_VAR)
 # Read by the project's own scripts and tests (setup_env.sh, test.sh, conftest), not by the
 # plugin; they reach engine processes started by the tests, so they are not refused.
 TOOLING = (
@@ -74,6 +80,16 @@ def per_group_pools_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(PER_GROUP_ENV_VAR, environ)
 
 
+def elastic_pools_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HYBRID_ALLOC_ELASTIC_POOLS`` makes per-group pools elastic (unset: off
+    until elastic pools pass every engine pair the static split passes).
+
+    Raises:
+        ValueError: a value that is neither true-ish nor false-ish.
+    """
+    return _switch(ELASTIC_ENV_VAR, environ, default=ELASTIC_DEFAULT)
+
+
 def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX`` leaves the CPU GDN fix on (unset: on).
 
@@ -83,10 +99,12 @@ def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(CPU_GDN_SPEC_FIX_ENV_VAR, environ)
 
 
-def _switch(name: str, environ: Mapping[str, str] | None) -> bool:
+def _switch(name: str, environ: Mapping[str, str] | None, default: bool = True) -> bool:
     env = os.environ if environ is None else environ
     raw = env.get(name, "")
     value = raw.strip().lower()
+    if value == "":
+        return default
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -115,4 +133,5 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         )
     selected_backend(env)
     per_group_pools_enabled(env)
+    elastic_pools_enabled(env)
     cpu_gdn_spec_fix_enabled(env)

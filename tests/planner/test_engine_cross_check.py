@@ -43,6 +43,13 @@ GiB = 1 << 30
 MODES = ("none", "align")
 
 
+@pytest.fixture(autouse=True)
+def static_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the static per-group split (elastic pools off); the elastic
+    layout has its own (tests/planner/test_elastic_sizing.py)."""
+    monkeypatch.setenv("HYBRID_ALLOC_ELASTIC_POOLS", "0")
+
+
 def _mamba2(heads: int) -> MambaLayerSpec:
     return MambaLayerSpec(
         kind="mamba2",

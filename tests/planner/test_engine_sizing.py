@@ -13,6 +13,13 @@ from tests.helpers import kv_connector
 from tests.planner.specs import BLOCK, MAX_LEN, attention, small_engine_config, small_mamba
 
 
+@pytest.fixture(autouse=True)
+def static_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the static per-group split (elastic pools off); the elastic
+    layout has its own (tests/planner/test_elastic_sizing.py)."""
+    monkeypatch.setenv("HYBRID_ALLOC_ELASTIC_POOLS", "0")
+
+
 # ------------------------------------------------------------------- sizing
 def qwen_like_specs(mode: str) -> dict[str, Any]:
     """3 GDN-like layers (page padded as vLLM's platform hook would) and 1 attention."""

@@ -184,6 +184,19 @@ class ProbeScheduler(Scheduler):
             state["pool_num_gpu_blocks"] = pool.num_gpu_blocks
             state["pool_free_blocks"] = pool.get_num_free_blocks()
             state["pool_usage"] = pool.get_usage()
+            budget = getattr(pool, "elastic", None)
+            if budget is not None:
+                # Elastic pools: who owns the budget's slabs and how often that changed.
+                groups = range(budget.num_groups)
+                state["elastic"] = {
+                    "num_slabs": budget.num_slabs,
+                    "slab_bytes": budget.slab_bytes,
+                    "fully_free": budget.num_fully_free,
+                    "owned": [budget.num_owned(g) for g in groups],
+                    "live_pages": [budget.num_live_pages(g) for g in groups],
+                    # (slabs granted, slabs given back to another pool) per pool.
+                    "owner_changes": [list(budget.owner_changes(g)) for g in groups],
+                }
         return state
 
     def _hybrid_alloc_report(self, event: str) -> None:

@@ -44,7 +44,6 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybrid_alloc import sizing
-from hybrid_alloc._native import NativeByteBudget
 from hybrid_alloc.integration import versions
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import ElasticLayout, PoolLayout
@@ -463,81 +462,177 @@ def build_config(
         # New blocks are zeroed as stock vLLM zeroes them, their IDs tagged per group.
         zero_new_blocks=True,
     )
+    _set_tp_replicas(vllm_config, config, groups)
+    return config
+
+
+def _set_tp_replicas(
+    vllm_config: Any, config: PerGroupKVCacheConfig, groups: list[KVCacheGroupSpec]
+) -> None:
     tp_replicas = importlib.import_module(versions.release().tp_replicas_module)
     config.kv_tp_replicas = tp_replicas.kv_cache_groups_tp_replicas(
         groups,
         vllm_config.parallel_config.tensor_parallel_size,
         vllm_config.parallel_config.decode_context_parallel_size,
     )
-    return config
-
-
-ELASTIC_PAGES_PER_SLAB = 8
-"""Pages of the largest pool in one slab of elastic pools, at most. Slabs are whole
-multiples of its page, so the largest pool loses nothing at slab edges and the others at
-most two pages per slab. Within that bound :func:`elastic_layout` takes the slab that
-loses the smallest share at slab edges, the smallest such: fine slabs strand the least
-memory in partly used slabs, but where other pools' pages do not divide them they lose
-pages at every edge (measured over the simulated matrix: 8 pages per slab everywhere left
-six cells 0.95-0.99x of stock's throughput, one page everywhere ten others)."""
-
-
-ELASTIC_MIN_SLABS = 64
-"""Slabs the budget is cut into at least (fewer pages per slab on small memory), so that
-one slab is a small share of it."""
 
 
 def elastic_layout(
     vllm_config: Any, config: PerGroupKVCacheConfig, available_bytes: int
 ) -> ElasticLayout:
     """One byte budget of ``available_bytes`` for every pool of ``config`` (the elastic
-    layout): each pool's page is one block across the layers of its groups; a slab is up
-    to :data:`ELASTIC_PAGES_PER_SLAB` pages of the largest pool (fewer where that would
-    leave under :data:`ELASTIC_MIN_SLABS` slabs), or a whole multiple of every pool's page
-    where one is at most twice that.
+    layout, :func:`hybrid_alloc.sizing.size_elastic`): each pool's page is one block
+    across the layers of its groups.
 
     Raises:
         ValueError: one ``max_model_len`` request does not fit (what vLLM's own check
             refuses at startup): the slabs its blocks need, plus slab 0 (null blocks).
     """
-    pages: list[int] = []
-    per_request: list[int] = []
+    needs = []
     for layout in config.pool_layouts:
-        groups = [config.kv_cache_groups[g] for g in layout.group_ids]
-        pages.append(sum(_page_stride(g.kv_cache_spec) * len(g.layer_names) for g in groups))
-        per_request.append(
-            sum(
-                group_needs(vllm_config, g, config.kv_cache_groups[g]).blocks_per_request
-                for g in layout.group_ids
+        groups = [(g, config.kv_cache_groups[g]) for g in layout.group_ids]
+        parts = [group_needs(vllm_config, g, group) for g, group in groups]
+        needs.append(
+            replace(
+                parts[0],
+                page_bytes=sum(n.block_bytes for n in parts),
+                num_layers=1,
+                blocks_per_request=sum(n.blocks_per_request for n in parts),
             )
         )
-    largest = max(pages)
-    most = max(1, min(ELASTIC_PAGES_PER_SLAB, available_bytes // (ELASTIC_MIN_SLABS * largest)))
-    common = math.lcm(*pages)
+    result = sizing.size_elastic(
+        needs, available_bytes, max_model_len=vllm_config.model_config.max_model_len
+    )
+    return as_elastic_layout(result)
 
-    def slab_of(per_slab: int) -> int:
-        slab = largest * per_slab
-        if common <= slab * 2:
-            # A whole multiple of every page: no pool loses anything at slab edges.
-            slab = common * max(1, slab // common)
-        return slab
 
-    def edge_loss(slab: int) -> float:
-        probe = NativeByteBudget(slab, 2, pages)
-        return max(probe.slab_waste_bytes(i) for i in range(len(pages))) / slab
+def as_elastic_layout(result: sizing.ElasticSizing) -> ElasticLayout:
+    return ElasticLayout(
+        slab_bytes=result.slab_bytes, num_slabs=result.num_slabs, page_bytes=result.page_bytes
+    )
 
-    # The least edge loss; among equal losses, the finest slab.
-    slab = min((slab_of(k) for k in range(1, most + 1)), key=lambda b: (edge_loss(b), b))
-    num_slabs = available_bytes // slab
-    budget = NativeByteBudget(slab, max(num_slabs, 2), pages)
-    needed = 1 + sum(cdiv(n, budget.pages_per_slab(i)) for i, n in enumerate(per_request))
-    if num_slabs < needed:
-        raise ValueError(
-            f"elastic per-group pools: one {vllm_config.model_config.max_model_len:,}-token "
-            f"request needs {needed} slabs of {slab:,} bytes (slab 0 holds the null blocks), "
-            f"{available_bytes:,} bytes of KV-cache memory hold {num_slabs}"
+
+def elastic_unsupported_reason(vllm_config: Any) -> str | None:
+    """Why the engine keeps the static per-group split rather than elastic pools (None:
+    elastic pools serve it)."""
+    from hybrid_alloc.settings import ELASTIC_ENV_VAR, elastic_pools_enabled
+
+    if not elastic_pools_enabled():
+        return f"{ELASTIC_ENV_VAR} is not on"
+    if vllm_config.kv_transfer_config is not None:
+        # Measured: a tiny-budget engine offloading to the CPU tier kept re-admitting and
+        # preempting the same requests (no progress in 150 s where the static split ends
+        # in 60); until that is understood, offloading engines keep the static split.
+        return "KV offloading (the static split serves it)"
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    if not layout.is_block_compact:
+        # A pool's block must be one run of bytes across its layers, so that memory can
+        # pass to another pool's pages.
+        return f"the KV-cache layout {layout.name} does not keep a block's pages together"
+    return None
+
+
+def size_elastic_groups(
+    vllm_config: Any,
+    groups: list[KVCacheGroupSpec],
+    available_memory: Sequence[int],
+    kv_cache_specs: Sequence[dict[str, KVCacheSpec]],
+) -> sizing.ElasticSizing:
+    """One byte budget for every group's pool, on every worker.
+
+    The scheduler's one budget hands the same block IDs to every worker, and block ``b``
+    of group ``g`` is bytes ``b * page_g ..`` of each worker's backing allocation. With
+    pipeline stages a group's page is the largest stage's (a stage with fewer of its layers
+    leaves the rest of each page unused), and the budget is the smallest stage's memory.
+    ``num_gpu_blocks_override`` sizes the budget as the static split's pools at that count
+    (the same bytes, lent elastically), or as the least budget that holds one request if
+    that is more.
+
+    Raises:
+        SizingError: one ``max_model_len`` request does not fit.
+    """
+    stages = _stage_needs(vllm_config, groups, kv_cache_specs)
+    needs = [
+        max((row[g] for row in stages if row[g] is not None), key=lambda n: n.num_layers)
+        for g in range(len(groups))
+    ]
+    max_model_len = vllm_config.model_config.max_model_len
+    if vllm_config.cache_config.num_gpu_blocks_override is None:
+        return sizing.size_elastic(needs, min(available_memory), max_model_len=max_model_len)
+    static = size_groups(vllm_config, groups, list(available_memory), kv_cache_specs)
+    memory = sum(p.num_blocks * n.block_bytes for p, n in zip(static.pools, needs, strict=True))
+    for _ in range(8):
+        try:
+            return sizing.size_elastic(needs, memory, max_model_len=max_model_len)
+        except sizing.SizingError as exc:
+            # Pools sized by block count hold one request; slabs may need a little more
+            # (pages lost at slab edges): as the override ignores the memory, so may this.
+            memory += exc.shortfall_bytes
+    return sizing.size_elastic(needs, memory, max_model_len=max_model_len)
+
+
+def build_elastic_config(
+    vllm_config: Any, groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizing
+) -> PerGroupKVCacheConfig:
+    """Elastic pools for one worker (``groups``: every group, holding this worker's
+    layers): every group's layers view the whole budget, block ``b`` of group ``g`` at
+    bytes ``b * page_g`` with its layers one after another inside the page, so pages of
+    any group may take bytes another group held before."""
+    tensors = [
+        KVCacheTensor(
+            size=elastic.budget_bytes,
+            layers=list(group.layer_names),
+            layer_stride=_page_stride(group.kv_cache_spec),
+            block_stride=page,
+            offset=0,
         )
-    return ElasticLayout(slab_bytes=slab, num_slabs=num_slabs, page_bytes=tuple(pages))
+        for group, page in zip(groups, elastic.page_bytes, strict=True)
+        if group.layer_names
+    ]
+    counted = sizing.counted_in_capacity([n.kind for n in elastic.needs])
+    layouts = tuple(
+        PoolLayout(
+            group_ids=(gid,),
+            num_blocks=pages,
+            grows=grows,
+            label=f"group{gid}:{type(group.kv_cache_spec).__name__}",
+        )
+        for gid, (group, pages, grows) in enumerate(
+            zip(groups, elastic.num_pages, counted, strict=True)
+        )
+    )
+    primary = next(i for i, layout in enumerate(layouts) if layout.grows)
+    config = PerGroupKVCacheConfig(
+        num_blocks=layouts[primary].num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=(vllm_config.cache_config.prefix_cache_retention_interval),
+        pool_layouts=layouts,
+        elastic=as_elastic_layout(elastic),
+        zero_new_blocks=True,
+    )
+    _set_tp_replicas(vllm_config, config, groups)
+    return config
+
+
+def describe_elastic(groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizing) -> str:
+    parts = [
+        f"one budget of {elastic.num_slabs:,} slabs x {elastic.slab_bytes:,} B shared by "
+        f"{len(groups)} pools"
+    ]
+    for gid, (group, needs, per_slab) in enumerate(
+        zip(groups, elastic.needs, elastic.pages_per_slab, strict=True)
+    ):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if isinstance(spec, MambaSpec):
+            kind += f"({spec.mamba_cache_mode})"
+        parts.append(
+            f"group {gid} {kind} x{len(group.layer_names)} layers, block {spec.block_size} "
+            f"tokens, {needs.block_bytes:,} B a block, {per_slab} a slab, "
+            f"{needs.blocks_per_request} a request"
+        )
+    return "; ".join(parts)
 
 
 def _partial_hits_would_be_on(vllm_config: Any, groups: list[KVCacheGroupSpec]) -> bool:
@@ -610,8 +705,22 @@ def get_kv_cache_configs(
         return _stock_get_kv_cache_configs(
             vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
         )
+    elastic_reason = elastic_unsupported_reason(vllm_config)
+    if elastic_reason is None:
+        elastic = size_elastic_groups(vllm_config, groups, available_memory, kv_cache_specs)
+        logger.info(
+            "hybrid_alloc: elastic per-group KV-cache pools: %s", describe_elastic(groups, elastic)
+        )
+        return [
+            build_elastic_config(vllm_config, project_groups(groups, worker_spec), elastic)
+            for worker_spec in kv_cache_specs
+        ]
     pools = size_groups(vllm_config, groups, available_memory, kv_cache_specs)
-    logger.info("hybrid_alloc: per-group KV-cache pools: %s", describe(groups, pools))
+    logger.info(
+        "hybrid_alloc: per-group KV-cache pools: %s (a static split; elastic pools not used: %s)",
+        describe(groups, pools),
+        elastic_reason,
+    )
     return [
         build_config(vllm_config, project_groups(groups, worker_spec), pools)
         for worker_spec in kv_cache_specs
@@ -628,6 +737,28 @@ def get_max_concurrency_for_kv_cache_config(
     if not isinstance(kv_cache_config, PerGroupKVCacheConfig):
         return float(_stock_get_max_concurrency(vllm_config, kv_cache_config))
     groups = kv_cache_config.kv_cache_groups
+    elastic = kv_cache_config.elastic
+    if elastic is not None:
+        # Every pool counts: a request's states take budget bytes as its attention does.
+        return sizing.elastic_concurrency(
+            elastic.slab_bytes,
+            elastic.num_slabs,
+            (
+                (
+                    page,
+                    sum(
+                        cdiv(
+                            groups[g].kv_cache_spec.max_memory_usage_bytes(vllm_config),
+                            groups[g].kv_cache_spec.page_size_bytes,
+                        )
+                        for g in layout.group_ids
+                    ),
+                )
+                for layout, page in zip(
+                    kv_cache_config.pool_layouts, elastic.page_bytes, strict=True
+                )
+            ),
+        )
     return sizing.max_concurrency(
         (
             (

@@ -207,10 +207,13 @@ class PoolSet:
         idx = self.primary_index if pool_index is None else pool_index
         pool = self.pools[idx]
         if self.elastic is not None:
-            # What this pool could have now: its free blocks and any slab no block pins
-            # (shared by every pool: the coordinator's plan decides, this bounds it).
-            fully_free = self.elastic.num_fully_free * self.elastic.pages_per_slab(idx)
-            return pool.get_num_free_blocks() + fully_free
+            # What this pool could have now: its free blocks and the pages of any slab no
+            # block pins that it does not own yet (its own idle slabs' pages are among its
+            # free blocks already; shared by every pool: the coordinator's plan decides,
+            # this bounds it).
+            e = self.elastic
+            others = e.num_fully_free - e.num_idle(idx)
+            return pool.get_num_free_blocks() + others * e.pages_per_slab(idx)
         return pool.get_num_free_blocks()
 
     def free_counts(self) -> tuple[int, ...]:

@@ -64,6 +64,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -639,14 +640,15 @@ def build_engine(
 
         backends.append(get_mamba_attn_backend(_mamba_type(model)))
     executor = _StandInExecutor(specs, settings.memory, backends)
-    kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
+    with _elastic_switch(layout):
+        # The engine core's own sizing: the static split or elastic pools, as the
+        # HYBRID_ALLOC_ELASTIC_POOLS switch picks them (capacity from the same model).
+        kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
     if layout == "elastic":
-        from hybrid_alloc.integration.engine_sizing import elastic_layout
         from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
-        if not isinstance(kv_cache_config, PerGroupKVCacheConfig):
+        if not isinstance(kv_cache_config, PerGroupKVCacheConfig) or not kv_cache_config.elastic:
             raise ValueError("elastic pools: per-group pools do not serve this model")
-        kv_cache_config.elastic = elastic_layout(vllm_config, kv_cache_config, settings.memory)
     structured = StructuredOutputManager(vllm_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
@@ -667,6 +669,23 @@ def build_engine(
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(hash_block_size, hash_fn)
     return SimEngine(layout, vllm_config, kv_cache_config, scheduler, hasher, hash_block_size)
+
+
+@contextlib.contextmanager
+def _elastic_switch(layout: str) -> Iterator[None]:
+    """``HYBRID_ALLOC_ELASTIC_POOLS`` as ``layout`` needs it ('per-group': the static
+    split; 'elastic': elastic pools), the previous value put back on exit."""
+    from hybrid_alloc.settings import ELASTIC_ENV_VAR
+
+    previous = os.environ.get(ELASTIC_ENV_VAR)
+    os.environ[ELASTIC_ENV_VAR] = "1" if layout == "elastic" else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ELASTIC_ENV_VAR]
+        else:
+            os.environ[ELASTIC_ENV_VAR] = previous
 
 
 def _apply_layout(layout: str) -> None:
