@@ -1,32 +1,38 @@
-"""Serving benchmark: what per-group pools buy on real models, through vLLM's own scheduler.
+"""Serving benchmark: stock vLLM, the static per-group split and elastic per-group pools on
+the shipped configs, through vLLM's own scheduler.
 
 For every shipped config at 16 / 40 / 80 GiB of KV memory, Mamba 'none' and 'align' modes,
 and each generated trace (chat, long documents, prefix sharing), runs the serving
-simulator (:mod:`hybrid_alloc.integration.simulator`: vLLM's real ``Scheduler`` on the
-KV-cache config vLLM builds (stock) and the one this package builds (per-group), no model,
-no GPU) and writes ``benches/SERVING.md`` and ``benches/serving.png``.
+simulator (:mod:`hybrid_alloc.integration.simulator`: vLLM's real ``Scheduler``, no model,
+no GPU) on the same seeded trace for each layout: the KV-cache config vLLM builds
+(**stock**), the one this package builds with a static split sized up front for
+``max_num_seqs`` requests (**per-group**), and per-group pools over one shared byte budget
+(**elastic**). Writes ``benches/SERVING.md`` and ``benches/serving.png``.
 
     python benches/bench_serving.py [--out-dir benches] [--configs a,b] [--memories 16,40,80]
-        [--modes none,align] [--traces chat,long,long-burst,prefix] [--json FILE]
+        [--modes none,align] [--traces chat,long,long-burst,prefix]
+        [--layouts stock,per-group,elastic] [--json FILE] [--scale X]
 
-Where the Mamba state of 256 requests takes more than half of the KV memory in per-group
-pools (per-group sizing then over-subscribes its fixed pools, or refuses), the cell is
-also run, both layouts, at the largest ``max_num_seqs`` of :data:`FALLBACK_SEQS` whose
+Where the Mamba state of 256 requests takes more than half of the KV memory in the static
+split's pools (static sizing then over-subscribes its fixed pools, or refuses), the cell is
+also run, every layout, at the largest ``max_num_seqs`` of :data:`FALLBACK_SEQS` whose
 fixed pools take at most half: what the capacity planner's "lower --max-num-seqs" advice
-leads to. Trace sizes are chosen so that the whole run takes
-well under an hour on two CPU cores; see :data:`TRACES`.
+leads to. Every layout is compared with stock (:func:`_verdict`). Trace sizes are chosen so
+that the whole run takes about an hour on two shared CPU cores; see :data:`TRACES`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,13 +48,33 @@ FALLBACK_SEQS = (192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
 STEP_MS = 25.0
 MAX_NUM_BATCHED_TOKENS = 8192
 
+BASE = "stock"
+"""The layout every other one is compared with."""
+LAYOUTS = ("stock", "per-group", "elastic")
+"""Default ``--layouts``: stock vLLM, the static per-group split, elastic per-group pools."""
+LABELS = {"stock": "stock", "per-group": "static split", "elastic": "elastic"}
+SHORT = {"stock": "stock", "per-group": "static", "elastic": "elastic"}
+
+# Verdict of a layout against stock (:func:`_verdict`). Worse: throughput (finished
+# requests per step) below WORSE_TPUT x stock's, mean latency above WORSE_LATENCY x, or
+# prefix hits more than WORSE_HITS (a fraction of prompt tokens) below stock's. Better (and
+# not worse): throughput above BETTER_TPUT x, latency below BETTER_LATENCY x, or prefix hits
+# more than BETTER_HITS above.
+WORSE_TPUT = 0.98
+WORSE_LATENCY = 1.05
+WORSE_HITS = 0.005
+BETTER_TPUT = 1.03
+BETTER_LATENCY = 0.97
+BETTER_HITS = 0.01
+VERDICTS = ("worse", "better", "same")
+
 # trace name: (generator in hybrid_alloc.traces, requests, arrivals per second). Chat
 # requests arrive faster than 256 sequences are served while they arrive (1.5 a step, ~275
 # steps each); long documents at ~4 a second (up to ~30 held at once); prefix sharing at 40
 # a second (conversation turns follow 5-20 s later). `long-burst` sends 96 long documents
 # at once, so that KV memory, not arrivals or max_num_seqs, limits the batch for most
-# models at 16 GiB: the case per-group capacity is meant for. About 20 minutes of CPU for
-# the whole grid on this machine.
+# models at 16 GiB: the case per-group capacity is meant for. About 20 minutes of CPU per
+# layout for the whole grid on this machine.
 TRACES: dict[str, tuple[str, int, float]] = {
     "chat": ("chat", 200, 60.0),
     "long": ("long", 32, 4.0),
@@ -67,6 +93,29 @@ class Cell:
     result: Any  # SimResult
     seconds: float
     note: str = ""
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.config} {self.memory_gib} GiB '{self.mode}' {self.trace} @{self.max_num_seqs}"
+        )
+
+    def layout(self, name: str) -> Any:  # LayoutResult
+        return self.result.layouts[name]
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """One layout against another in one cell."""
+
+    tput: float
+    """Finished requests per step, layout / base."""
+    latency: float
+    """Mean latency in steps, layout / base."""
+    hits: float
+    """Prefix-cache hit rate (share of prompt tokens), layout minus base."""
+    cpu: float | None
+    """Scheduler CPU per busy step, layout / base (None: no figure for base)."""
 
 
 def _git_commit() -> str:
@@ -104,7 +153,7 @@ def _settings(memory_gib: int, mode: str, seqs: int, max_len: int) -> Any:
 
 
 def _fixed_bytes(config: str, memory_gib: int, mode: str, seqs: int, max_len: int) -> int:
-    """Bytes per-group sizing sets aside for the fixed-size (Mamba) pools, per the planner."""
+    """Bytes the static split sets aside for the fixed-size (Mamba) pools, per the planner."""
     p = plan(
         load_model(config),
         memory_gib * GiB,
@@ -133,6 +182,7 @@ def run_cells(
     memories: Sequence[int],
     modes: Sequence[str],
     traces: dict[str, Trace],
+    layouts: Sequence[str] = LAYOUTS,
     log: Any = sys.stdout,
 ) -> list[Cell]:
     from hybrid_alloc.integration.simulator import simulate
@@ -144,7 +194,12 @@ def run_cells(
             for mode in modes:
                 for kind, trace in traces.items():
                     t0 = time.perf_counter()
-                    result = simulate(config, _settings(memory, mode, MAX_NUM_SEQS, max_len), trace)
+                    result = simulate(
+                        config,
+                        _settings(memory, mode, MAX_NUM_SEQS, max_len),
+                        trace,
+                        layouts=layouts,
+                    )
                     cell = Cell(config, memory, mode, kind, MAX_NUM_SEQS, result, 0.0)
                     cell.seconds = time.perf_counter() - t0
                     cells.append(cell)
@@ -153,12 +208,14 @@ def run_cells(
                     if seqs is None:
                         continue
                     t0 = time.perf_counter()
-                    again = simulate(config, _settings(memory, mode, seqs, max_len), trace)
+                    again = simulate(
+                        config, _settings(memory, mode, seqs, max_len), trace, layouts=layouts
+                    )
                     retry = Cell(config, memory, mode, kind, seqs, again, 0.0)
                     retry.note = (
                         f"{config}, {memory} GiB: the Mamba state of {MAX_NUM_SEQS} requests "
-                        f"takes over half the KV memory in per-group pools; also run with "
-                        f"max_num_seqs {seqs}, both layouts"
+                        f"takes over half the KV memory in the static split's pools; also run "
+                        f"with max_num_seqs {seqs}, all layouts"
                     )
                     retry.seconds = time.perf_counter() - t0
                     cells.append(retry)
@@ -172,7 +229,8 @@ def _log(cell: Cell, log: Any) -> None:
         if r.ok:
             parts.append(
                 f"{name}: {r.steps} steps, {r.finished}/{r.requests} done, "
-                f"{r.preemptions} preempt, hit {100 * r.prefix_hit_rate:.0f}%"
+                f"{r.preemptions} preempt, hit {100 * r.prefix_hit_rate:.0f}%, "
+                f"{r.cpu_us_per_step:,.0f} us/step"
             )
         else:
             parts.append(f"{name}: {r.error[:90] if r.error else '?'}")
@@ -184,6 +242,89 @@ def _log(cell: Cell, log: Any) -> None:
     )
 
 
+# --------------------------------------------------------------------------- comparisons
+
+
+def _ok(cell: Cell, *names: str) -> bool:
+    """Whether every named layout ran in ``cell`` (all of the cell's layouts if none named)."""
+    layouts = cell.result.layouts
+    return all(n in layouts and layouts[n].ok for n in (names or tuple(layouts)))
+
+
+def _ratios(cell: Cell, layout: str, base: str = BASE) -> Ratios:
+    b, r = cell.layout(base), cell.layout(layout)
+    lat_b = b.latency_steps.get("mean", 0.0)
+    return Ratios(
+        tput=r.finished_per_step / b.finished_per_step if b.finished_per_step else 1.0,
+        latency=r.latency_steps.get("mean", 0.0) / lat_b if lat_b else 1.0,
+        hits=r.prefix_hit_rate - b.prefix_hit_rate,
+        cpu=r.cpu_us_per_step / b.cpu_us_per_step if b.cpu_us_per_step else None,
+    )
+
+
+def _verdict(cell: Cell, layout: str) -> str:
+    """``layout`` against stock in one word: worse, better or same (see the thresholds at
+    the top of the module); 'refused' where either did not run."""
+    if not _ok(cell, BASE, layout):
+        return "refused"
+    r = _ratios(cell, layout)
+    if r.tput < WORSE_TPUT or r.latency > WORSE_LATENCY or r.hits < -WORSE_HITS:
+        return "worse"
+    if r.tput > BETTER_TPUT or r.latency < BETTER_LATENCY or r.hits > BETTER_HITS:
+        return "better"
+    return "same"
+
+
+def _marked(verdict: str) -> str:
+    return f"**{verdict}**" if verdict == "better" else verdict
+
+
+def _badness(cell: Cell, layout: str) -> tuple[bool, float, float]:
+    """Sort key, worst first: worse cells before others, then the lower of the throughput
+    ratio and the inverse latency ratio, then the prefix-hit difference."""
+    r = _ratios(cell, layout)
+    return (_verdict(cell, layout) != "worse", min(r.tput, _inverse(r.latency)), r.hits)
+
+
+def _goodness(cell: Cell, layout: str) -> tuple[bool, float, float]:
+    """Sort key, best first."""
+    r = _ratios(cell, layout)
+    return (_verdict(cell, layout) != "better", -max(r.tput, _inverse(r.latency)), -r.hits)
+
+
+def _cpu_pairs(layouts: Sequence[str]) -> list[tuple[str, str]]:
+    """(layout, base) pairs of the scheduler-CPU ratios: elastic / static, then each / stock."""
+    pairs = []
+    if "elastic" in layouts and "per-group" in layouts:
+        pairs.append(("elastic", "per-group"))
+    pairs += [(n, BASE) for n in layouts if n != BASE]
+    return pairs
+
+
+def _cpu_ratio(cell: Cell, layout: str, base: str) -> float | None:
+    if not _ok(cell, layout, base):
+        return None
+    return _ratios(cell, layout, base).cpu
+
+
+def _same_schedule(cell: Cell, a: str, b: str) -> bool:
+    """Whether two layouts ran nearly the same schedule (steps within 1%, mean running
+    within 2%): per-step scheduler cost grows with the batch, so only then is its ratio
+    one of the pools alone."""
+    x, y = cell.layout(a), cell.layout(b)
+    if not (x.steps and y.steps and x.mean_running and y.mean_running):
+        return False
+    return abs(x.steps / y.steps - 1) <= 0.01 and abs(x.mean_running / y.mean_running - 1) <= 0.02
+
+
+def _cells(n: int) -> str:
+    return f"{n} cell" + ("" if n == 1 else "s")
+
+
+def _inverse(x: float) -> float:
+    return 1 / x if x else math.inf
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -191,9 +332,9 @@ def _ratio(a: float, b: float) -> str:
     return f"{b / a:.3f}" if a else "n/a"
 
 
-def _pair(cell: Cell, fmt: Any) -> tuple[str, str]:
-    s, p = cell.result.layouts["stock"], cell.result.layouts["per-group"]
-    return (fmt(s) if s.ok else "-", fmt(p) if p.ok else "-")
+def _each(cell: Cell, layouts: Sequence[str], fmt: Callable[[Any], str]) -> str:
+    """``fmt`` of each layout's result, ' / ' between, '-' where a layout did not run."""
+    return " / ".join(fmt(cell.layout(n)) if _ok(cell, n) else "-" for n in layouts)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -201,93 +342,114 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _both_ok(cell: Cell) -> bool:
-    return all(r.ok for r in cell.result.layouts.values())
+def _header(layouts: Sequence[str]) -> list[str]:
+    compared = [n for n in layouts if n != BASE]
+    pairs = _cpu_pairs(layouts)
+    names = " / ".join(SHORT[n] for n in layouts)
+    return [
+        "model",
+        "GiB",
+        f"finished / step ({names})",
+        *(f"throughput, {SHORT[n]} / stock" for n in compared),
+        "mean running",
+        "preemptions",
+        "prefix hits (tokens)",
+        "TTFT, steps (mean)",
+        "latency, steps (mean)",
+        *(f"latency, {SHORT[n]} / stock" for n in compared),
+        "sched. CPU us / step",
+        *(
+            ["sched. CPU ratios: " + "; ".join(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)]
+            if pairs
+            else []
+        ),
+        *(f"{SHORT[n]} vs stock" for n in compared),
+    ]
 
 
-def _verdict(cell: Cell) -> str:
-    """Per-group against stock in one word, from throughput and mean latency."""
-    s, p = cell.result.layouts["stock"], cell.result.layouts["per-group"]
-    tput = p.finished_per_step / s.finished_per_step if s.finished_per_step else 1.0
-    lat_s = s.latency_steps.get("mean", 0.0)
-    lat = p.latency_steps.get("mean", 0.0) / lat_s if lat_s else 1.0
-    hits = p.prefix_hit_rate - s.prefix_hit_rate
-    if tput > 1.01 or lat < 0.97 or hits > 0.01:
-        better = tput >= 0.99 and lat <= 1.03 and hits >= -0.01
-        return "**better**" if better else "mixed"
-    if tput < 0.99 or lat > 1.03 or hits < -0.01:
-        return "worse"
-    return "same"
+def _versus(cell: Cell, layout: str, metric: Callable[[Any], float]) -> str:
+    """``metric`` of ``layout`` / stock's, as text."""
+    if not _ok(cell, BASE, layout):
+        return "n/a"
+    return _ratio(metric(cell.layout(BASE)), metric(cell.layout(layout)))
 
 
-def cell_rows(cells: Sequence[Cell]) -> list[list[str]]:
+def _cpu_text(cell: Cell, layout: str, base: str) -> str:
+    value = _cpu_ratio(cell, layout, base)
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def cell_rows(cells: Sequence[Cell], layouts: Sequence[str]) -> list[list[str]]:
+    compared = [n for n in layouts if n != BASE]
+    pairs = _cpu_pairs(layouts)
     rows = []
     for c in cells:
         name = c.config + ("" if c.max_num_seqs == MAX_NUM_SEQS else f" @{c.max_num_seqs} seqs")
-        if not _both_ok(c):
-            failed = [k for k, r in c.result.layouts.items() if not r.ok]
-            rows.append([name, f"{c.memory_gib}", *(["-"] * 9), f"{'/'.join(failed)} refused"])
-            continue
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
-        fin = _pair(c, lambda r: f"{r.finished_per_step:.3f}")
-        run = _pair(c, lambda r: f"{r.mean_running:.0f}")
-        pre = _pair(c, lambda r: f"{r.preemptions}")
-        hit = _pair(c, lambda r: f"{100 * r.prefix_hit_rate:.1f}%")
-        lat = _pair(c, lambda r: f"{r.latency_steps.get('mean', 0):.0f}")
-        ttft = _pair(c, lambda r: f"{r.ttft_steps.get('mean', 0):.0f}")
-        cpu = _pair(c, lambda r: f"{r.cpu_us_per_step:,.0f}")
+        cpus = ["; ".join(_cpu_text(c, a, b) for a, b in pairs)] if pairs else []
+
         rows.append(
             [
                 name,
                 f"{c.memory_gib}",
-                f"{fin[0]} / {fin[1]}",
-                _ratio(s.finished_per_step, p.finished_per_step),
-                f"{run[0]} / {run[1]}",
-                f"{pre[0]} / {pre[1]}",
-                f"{hit[0]} / {hit[1]}",
-                f"{ttft[0]} / {ttft[1]}",
-                f"{lat[0]} / {lat[1]}",
-                _ratio(s.latency_steps.get("mean", 0.0), p.latency_steps.get("mean", 0.0)),
-                f"{cpu[0]} / {cpu[1]}",
-                _verdict(c),
+                _each(c, layouts, lambda r: f"{r.finished_per_step:.3f}"),
+                *(_versus(c, n, lambda r: r.finished_per_step) for n in compared),
+                _each(c, layouts, lambda r: f"{r.mean_running:.0f}"),
+                _each(c, layouts, lambda r: f"{r.preemptions}"),
+                _each(c, layouts, lambda r: f"{100 * r.prefix_hit_rate:.1f}%"),
+                _each(c, layouts, lambda r: f"{r.ttft_steps.get('mean', 0):.0f}"),
+                _each(c, layouts, lambda r: f"{r.latency_steps.get('mean', 0):.0f}"),
+                *(_versus(c, n, lambda r: r.latency_steps.get("mean", 0.0)) for n in compared),
+                _each(c, layouts, lambda r: f"{r.cpu_us_per_step:,.0f}"),
+                *cpus,
+                *(_marked(_verdict(c, n)) for n in compared),
             ]
         )
     return rows
 
 
-HEADER = (
-    "model",
-    "GiB",
-    "finished / step (stock / per-group)",
-    "ratio",
-    "mean running",
-    "preemptions",
-    "prefix hits (tokens)",
-    "TTFT, steps (mean)",
-    "latency, steps (mean)",
-    "latency ratio",
-    "sched. CPU us / step",
-    "per-group vs stock",
-)
+def _describe_layout(name: str) -> str:
+    return {
+        "stock": (
+            "the KV-cache layout vLLM builds itself for the full-size model (**stock**: one "
+            "shared pool, attention block size raised and Mamba pages padded by vLLM's "
+            "platform hook, sized by vLLM's `get_kv_cache_configs`)"
+        ),
+        "per-group": (
+            "this package's per-group pools with a **static split** (layout `per-group`: one "
+            "Rust pool per KV-cache group at its natural page size; the Mamba state of "
+            "`max_num_seqs` requests set aside up front, the rest to attention)"
+        ),
+        "elastic": (
+            "**elastic** per-group pools (layout `elastic`: the same per-group Rust pools "
+            "over one shared byte budget, lent to a group in slabs when it needs them and "
+            "returned when its blocks in a slab are free; scheduler side only)"
+        ),
+    }.get(name, f"**{name}**")
 
 
 def write_report(
-    cells: Sequence[Cell], traces: dict[str, Trace], out: Path, elapsed: float, png: str
+    cells: Sequence[Cell],
+    traces: dict[str, Trace],
+    out: Path,
+    elapsed: float,
+    png: str,
+    layouts: Sequence[str] = LAYOUTS,
 ) -> None:
     from hybrid_alloc.integration import versions
 
+    compared = [n for n in layouts if n != BASE]
+    names = " / ".join(SHORT[n] for n in layouts)
     lines = [
-        "# Serving simulation: stock vLLM vs per-group pools on the shipped configs",
+        "# Serving simulation: stock vLLM, static per-group split and elastic per-group "
+        "pools on the shipped configs",
         "",
         "Generated by `python benches/bench_serving.py` (no GPU): vLLM's own scheduler "
         "(`vllm.v1.core.sched.scheduler.Scheduler`, its KV-cache manager, coordinator and "
-        "pools) runs every trace twice in one process, on the KV-cache layout vLLM builds "
-        "itself for the full-size model (**stock**: one shared pool, attention block size "
-        "raised and Mamba pages padded by vLLM's platform hook, sized by vLLM's "
-        "`get_kv_cache_configs`) and on the one this package builds (**per-group**: one "
-        "Rust pool per KV-cache group at its natural page size). No model runs: each step "
-        "a fake runner returns one token per request that is not mid-prefill. See "
-        "`hybrid_alloc.integration.simulator` for what is vLLM's code and what is faked.",
+        f"pools) runs every trace {len(layouts)} times in one process, on "
+        + "; on ".join(_describe_layout(n) for n in layouts)
+        + ". No model runs: each step a fake runner returns one token per request that is "
+        "not mid-prefill. See `hybrid_alloc.integration.simulator` for what is vLLM's code "
+        "and what is faked.",
         "",
         "## Setup",
         "",
@@ -303,7 +465,7 @@ def write_report(
         "whatever the batch (a fixed step time: the comparison is of what the pools "
         "admit, not of kernel speed). Latency and TTFT are in steps.",
         "- Traces (seeded, `hybrid_alloc.traces`; token IDs derived so shared prefixes "
-        "hash equal):",
+        "hash equal; every layout of a cell runs the same requests):",
     ]
     for kind, trace in traces.items():
         rate = TRACES[kind][2]
@@ -313,155 +475,262 @@ def write_report(
         "cut to fit (Zamba2: 4,096 tokens, Nemotron-H-8B: 8,192), counted in each table's "
         "notes.",
         f"- Total run time of the benchmark: {elapsed / 60:.1f} min "
-        f"({len(cells)} cells, each both layouts).",
+        f"({len(cells)} cells, each on {len(layouts)} layouts: {', '.join(layouts)}).",
         "",
-        "Columns give stock / per-group. *finished / step* is requests finished per "
-        "scheduler step over the whole run (all requests finish in every cell, so its "
-        "ratio is the inverse makespan ratio); *ratio* and *latency ratio* are "
-        "per-group / stock (above 1 = more throughput; below 1 = lower latency). "
-        "*per-group vs stock*: **better** / worse / mixed / same (same: throughput and "
-        "latency within 1-3% and prefix hits within 1 point).",
+        f"Columns give {names}. *finished / step* is requests finished per scheduler step "
+        "over the whole run (all requests finish in every cell, so its ratio is the "
+        "inverse makespan ratio); *throughput* and *latency* ratios are against stock "
+        "(above 1 = more throughput; below 1 = lower latency). *... vs stock*: "
+        f"**worse** where throughput is below {WORSE_TPUT:g}x stock's, mean latency above "
+        f"{WORSE_LATENCY:g}x, or prefix hits more than {100 * WORSE_HITS:g} points lower; "
+        f"**better** (and not worse) where throughput is above {BETTER_TPUT:g}x, latency "
+        f"below {BETTER_LATENCY:g}x, or prefix hits more than {100 * BETTER_HITS:g} point "
+        "higher; else same.",
         "",
     ]
-    lines += _headline(cells)
+    lines += _headline(cells, layouts)
     for mode in MODES:
         for kind in traces:
             sel = [c for c in cells if c.mode == mode and c.trace == kind]
             if not sel:
                 continue
             lines += [f"## Trace `{kind}`, mode '{mode}'", ""]
-            lines += _table(HEADER, cell_rows(sel))
+            lines += _table(_header(layouts), cell_rows(sel, layouts))
             notes = sorted({c.note for c in sel if c.note})
             clipped = sorted(
                 {
-                    f"{c.config}: {c.result.layouts['stock'].clipped} prompts cut to fit the "
+                    f"{c.config}: {c.layout(BASE).clipped} prompts cut to fit the "
                     "context with their output"
                     for c in sel
-                    if c.result.layouts["stock"].clipped
+                    if c.layout(BASE).clipped
                 }
             )
             for note in [*notes, *clipped]:
                 lines.append(f"- {note}")
             lines.append("")
-    lines += _layouts(cells)
+    lines += _layouts_section(cells, layouts)
     lines += _refusals(cells)
     lines += [
         "## Plot",
         "",
         f"![serving]({png})",
         "",
-        "Top: per-group / stock throughput (finished requests per step) for every cell "
-        "(models on the x axis, one bar per memory size; a missing bar is a refused "
-        "cell). Bottom: running requests and KV memory held over simulated time for "
-        f"{_highlight_title(cells)}.",
+        "Top rows: "
+        + ", ".join(f"{SHORT[n]} / stock" for n in compared)
+        + " throughput (finished requests per step) for every cell, one row per layout "
+        "and mode, bars drawn from 1.0 (models on the x axis, one bar per memory size; "
+        "the max_num_seqs 256 cell, else the re-run at fewer sequences; a missing bar is a "
+        "refused cell). Bottom: running requests and KV memory held over simulated time for "
+        f"{_highlight_title(cells, layouts)}.",
         "",
     ]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _headline(cells: Sequence[Cell]) -> list[str]:
-    ok = [c for c in cells if _both_ok(c)]
-    verdicts: dict[str, list[Cell]] = {}
-    for c in ok:
-        verdicts.setdefault(_verdict(c).strip("*"), []).append(c)
+def _primary(layouts: Sequence[str]) -> str | None:
+    """The layout the headline looks at first: elastic where it ran."""
+    compared = [n for n in layouts if n != BASE]
+    if "elastic" in compared:
+        return "elastic"
+    return compared[-1] if compared else None
+
+
+def _headline(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
+    compared = [n for n in layouts if n != BASE]
+    ok = [c for c in cells if _ok(c, *layouts)]
     lines = ["## Headline", ""]
+    if not compared:
+        return [*lines, "Only stock ran: nothing to compare.", ""]
+    refused = {n: sum(1 for c in cells if not _ok(c, n)) for n in layouts}
     lines.append(
-        f"{len(ok)} of {len(cells)} cells ran on both layouts: "
-        + ", ".join(f"{k} {len(v)}" for k, v in sorted(verdicts.items()))
-        + "."
+        f"{len(ok)} of {len(cells)} cells ran on all {len(layouts)} layouts; the counts "
+        "below are over those cells ("
+        + (
+            ", ".join(f"{LABELS[n]} refused in {k}" for n, k in refused.items() if k)
+            or "none refused"
+        )
+        + f"). Of them {sum(1 for c in ok if c.max_num_seqs == MAX_NUM_SEQS)} ran at "
+        f"max_num_seqs {MAX_NUM_SEQS} and the rest at fewer sequences (the `@n` re-runs)."
     )
     lines.append("")
-
-    def tput(c: Cell) -> float:
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
-        return p.finished_per_step / s.finished_per_step if s.finished_per_step else 1.0
-
-    def hits(c: Cell) -> float:
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
-        return p.prefix_hit_rate - s.prefix_hit_rate
-
-    def latency(c: Cell) -> float:
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
-        base = s.latency_steps.get("mean", 0.0)
-        return p.latency_steps.get("mean", 0.0) / base if base else 1.0
-
-    lines += _overview(ok, tput, latency)
-    lines += _findings(ok)
-    better = sorted(verdicts.get("better", []), key=latency)[:6]
-    worse = sorted(verdicts.get("worse", []) + verdicts.get("mixed", []), key=latency)[::-1][:6]
-    align = [c for c in ok if c.mode == "align" and c.trace == "prefix"]
-    by_hits = sorted(align, key=lambda c: abs(hits(c)))[::-1][:4]
     rows = []
-    seen = set()
-    for c in [*better, *worse, *by_hits]:
-        key = (c.config, c.memory_gib, c.mode, c.trace, c.max_num_seqs)
-        if key in seen:
-            continue
-        seen.add(key)
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
+    for n in [_primary(layouts), *(x for x in compared if x != _primary(layouts))]:
+        assert n is not None
+        counts = {v: [c for c in ok if _verdict(c, n) == v] for v in VERDICTS}
+        at_256 = {v: sum(1 for c in counts[v] if c.max_num_seqs == MAX_NUM_SEQS) for v in counts}
         rows.append(
             [
-                f"{c.config} @{c.max_num_seqs}",
-                f"{c.memory_gib}",
-                c.mode,
-                c.trace,
-                _verdict(c),
-                f"{tput(c):.3f}",
-                f"{latency(c):.3f}",
-                f"{s.mean_running:.0f} / {p.mean_running:.0f}",
-                f"{s.preemptions} / {p.preemptions}",
-                f"{100 * s.prefix_hit_rate:.1f}% / {100 * p.prefix_hit_rate:.1f}%",
-                f"{s.peak_kv_held_bytes / GiB:.1f} / {p.peak_kv_held_bytes / GiB:.1f}",
+                f"{LABELS[n]} vs stock",
+                *(f"{len(counts[v])}" for v in VERDICTS),
+                " / ".join(f"{at_256[v]}" for v in VERDICTS),
             ]
         )
-    lines.append(
-        "The cells where per-group pools do best, worst, and where prefix hits differ most "
-        "(stock / per-group):"
-    )
-    lines.append("")
     lines += _table(
         (
-            "model",
-            "GiB",
-            "mode",
-            "trace",
-            "verdict",
-            "throughput ratio",
-            "latency ratio",
-            "mean running",
-            "preemptions",
-            "prefix hits",
-            "peak KV held, GiB",
+            "layout",
+            "worse",
+            "better",
+            "same",
+            f"worse / better / same, max_num_seqs {MAX_NUM_SEQS} cells only",
         ),
         rows,
     )
     lines.append("")
-    same = verdicts.get("same", [])
-    if same:
-        lines.append(
-            f"Where per-group pools do not help ({len(same)} cells 'same'): the two layouts "
-            "ran nearly the same schedule, so memory was not what limited the batch on "
-            "either (the arrival rate or `max_num_seqs` was); the tables below name the "
-            "cells."
-        )
-        lines.append("")
-    worse = verdicts.get("worse", []) + verdicts.get("mixed", [])
-    if worse:
-        lines.append(
-            "Where per-group pools do worse or trade one metric for another: "
-            + "; ".join(
-                f"{c.config} {c.memory_gib} GiB {c.mode} {c.trace} @{c.max_num_seqs}"
-                for c in worse[:12]
-            )
-            + ("; ..." if len(worse) > 12 else "")
-            + "."
-        )
-        lines.append("")
+    primary = _primary(layouts)
+    assert primary is not None
+    others = [n for n in compared if n != primary]
+    lines += _ranked(ok, primary, layouts, worst=True)
+    lines += _ranked(ok, primary, layouts, worst=False)
+    lines += _cpu_section(cells, layouts)
+    if "elastic" in compared:
+        lines += [
+            "Fragmentation of the elastic pools (free bytes stranded in slabs that also "
+            "hold live blocks, bytes lost at slab edges) is not in this report: `simulate` "
+            "does not record it (its per-layout result has no stranded or slab-edge bytes).",
+            "",
+        ]
+    lines += _findings(ok, compared)
+    for n in [primary, *others]:
+        lines += _overview(ok, n)
     return lines
 
 
-def _overview(ok: Sequence[Cell], tput: Any, latency: Any) -> list[str]:
-    """One row per model and memory, one column per trace and mode: per-group / stock
+def _ranked(ok: Sequence[Cell], layout: str, layouts: Sequence[str], worst: bool) -> list[str]:
+    """The five worst (or best) cells of ``layout`` against stock, with their ratios and
+    the other layouts' beside them."""
+    others = [n for n in layouts if n not in (BASE, layout)]
+    if worst:
+        chosen = sorted(ok, key=lambda c: _badness(c, layout))[:5]
+    else:
+        chosen = [c for c in sorted(ok, key=lambda c: _goodness(c, layout))[:5]]
+        chosen = [c for c in chosen if _verdict(c, layout) == "better"]
+    if not chosen:
+        return []
+    every = list(layouts)
+    rows = []
+    for c in chosen:
+        r = _ratios(c, layout)
+        base, mine = c.layout(BASE), c.layout(layout)
+        rows.append(
+            [
+                c.config + f" @{c.max_num_seqs}",
+                f"{c.memory_gib}",
+                c.mode,
+                c.trace,
+                _marked(_verdict(c, layout)),
+                f"{r.tput:.3f}",
+                f"{r.latency:.3f}",
+                f"{100 * base.prefix_hit_rate:.1f}% -> {100 * mine.prefix_hit_rate:.1f}% "
+                f"({100 * r.hits:+.1f})",
+                *(
+                    f"{_ratios(c, o).tput:.3f} / {_ratios(c, o).latency:.3f} ({_verdict(c, o)})"
+                    for o in others
+                ),
+                _each(c, every, lambda x: f"{x.mean_running:.0f}"),
+                _each(c, every, lambda x: f"{x.preemptions}"),
+                _each(c, every, lambda x: f"{x.peak_kv_held_bytes / GiB:.1f}"),
+            ]
+        )
+    order = " / ".join(SHORT[n] for n in every)
+    what = (
+        "worst cells of {} against stock (worse cells first, then by the lower of the "
+        "throughput ratio and the inverse latency ratio)"
+        if worst
+        else "best cells of {} against stock (better cells only)"
+    )
+    return [
+        f"The five {what.format(LABELS[layout])}:",
+        "",
+        *_table(
+            (
+                "model",
+                "GiB",
+                "mode",
+                "trace",
+                f"{SHORT[layout]} vs stock",
+                "throughput ratio",
+                "latency ratio",
+                "prefix hits (points)",
+                *(f"{SHORT[o]}: throughput / latency ratio" for o in others),
+                f"mean running ({order})",
+                "preemptions",
+                "peak KV held, GiB",
+            ),
+            rows,
+        ),
+        "",
+    ]
+
+
+def _cpu_section(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
+    """Median and worst scheduler-CPU-per-step ratios over the cells, over all of them and
+    over those where the two layouts ran the same schedule."""
+
+    def p90(values: Sequence[float]) -> float:
+        return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+    rows = []
+    for a, b in _cpu_pairs(layouts):
+        values = sorted(
+            ((v, c) for c in cells if (v := _cpu_ratio(c, a, b)) is not None),
+            key=lambda x: x[0],
+        )
+        if not values:
+            continue
+        same = [(v, c) for v, c in values if _same_schedule(c, a, b)]
+        rows.append(
+            [
+                f"{SHORT[a]} / {SHORT[b]}",
+                f"{len(values)}",
+                f"{statistics.median([v for v, _ in values]):.2f}",
+                f"{p90([v for v, _ in values]):.2f}",
+                f"{values[-1][0]:.2f} ({values[-1][1].name})",
+                _cells(len(same)),
+                f"{statistics.median([v for v, _ in same]):.2f}" if same else "-",
+                f"{p90([v for v, _ in same]):.2f}" if same else "-",
+                f"{same[-1][0]:.2f} ({same[-1][1].name})" if same else "-",
+            ]
+        )
+    if not rows:
+        return []
+    ran = [c for c in cells if _ok(c, *layouts)]
+    totals = ", ".join(
+        f"{SHORT[n]} {sum(c.layout(n).scheduler_cpu_s for c in ran):,.1f} s over "
+        f"{sum(c.layout(n).busy_steps for c in ran):,} steps"
+        for n in layouts
+    )
+    return [
+        "Scheduler CPU time per busy step (thread CPU time of `schedule()` + "
+        "`update_from_output()`, measured by the simulator). The layouts of a cell run one "
+        "after another in one process on a shared machine (other jobs ran beside this "
+        "one), so single cells are noisy and the worst ratios are the noisiest figures; "
+        "the per-step cost also grows with the batch, so where two layouts ran different "
+        "schedules the ratio mixes pool cost with batch size. The *same schedule* columns "
+        "keep the cells where the two layouts ran steps within 1% and mean running within "
+        "2% of each other.",
+        "",
+        *_table(
+            (
+                "ratio",
+                "cells",
+                "median",
+                "p90",
+                "worst (highest)",
+                "same schedule",
+                "median",
+                "p90",
+                "worst",
+            ),
+            rows,
+        ),
+        "",
+        f"Total scheduler CPU over the cells that ran on every layout: {totals}.",
+        "",
+    ]
+
+
+def _overview(ok: Sequence[Cell], layout: str) -> list[str]:
+    """One row per model and memory, one column per trace and mode: ``layout`` / stock
     throughput and mean latency (a second figure for the run at fewer sequences)."""
     columns = sorted({(c.mode, c.trace) for c in ok}, key=lambda k: (MODES.index(k[0]), k[1]))
     rows = []
@@ -475,26 +744,35 @@ def _overview(ok: Sequence[Cell], tput: Any, latency: Any) -> list[str]:
             ]
             texts = []
             for c in sel:
-                text = f"{tput(c):.2f} / {latency(c):.2f}"
+                r = _ratios(c, layout)
+                text = f"{r.tput:.2f} / {r.latency:.2f}"
                 if c.max_num_seqs != MAX_NUM_SEQS:
                     text = f"@{c.max_num_seqs}: {text}"
-                texts.append(f"**{text}**" if _verdict(c) == "**better**" else text)
+                verdict = _verdict(c, layout)
+                if verdict == "better":
+                    text = f"**{text}**"
+                elif verdict == "worse":
+                    text = f"*{text}*"
+                texts.append(text)
             row.append("; ".join(texts) or "refused")
         rows.append(row)
     header = ["model", "GiB", *(f"{trace}, '{mode}'" for mode, trace in columns)]
     return [
-        "Per cell: per-group / stock throughput (finished per step) and mean latency "
-        f"(max_num_seqs {MAX_NUM_SEQS}; `@n:` the run at n sequences); bold where "
-        "per-group pools are better on the whole (verdict rule above):",
+        f"Per cell, **{LABELS[layout]}**: {SHORT[layout]} / stock throughput (finished per "
+        f"step) and mean latency (max_num_seqs {MAX_NUM_SEQS}; `@n:` the run at n "
+        "sequences); bold where better, italic where worse (verdict rule above):",
         "",
         *_table(header, rows),
         "",
     ]
 
 
-def _findings(ok: Sequence[Cell]) -> list[str]:
+def _findings(ok: Sequence[Cell], compared: Sequence[str]) -> list[str]:
     """Counts over the cells, by what drives them (computed, not written by hand)."""
-    lines = ["What the numbers say (counted over the cells that ran on both layouts):", ""]
+    lines = [
+        "What the numbers say (counted over the cells that ran on every layout):",
+        "",
+    ]
 
     def over(c: Cell) -> bool:
         return (
@@ -502,68 +780,60 @@ def _findings(ok: Sequence[Cell]) -> list[str]:
             > c.memory_gib * GiB // 2
         )
 
-    def layouts(c: Cell) -> tuple[Any, Any]:
-        return c.result.layouts["stock"], c.result.layouts["per-group"]
-
-    flagged = [c for c in ok if over(c)]
-    fitted = [c for c in ok if not over(c)]
-    for label, group in (
-        ("Mamba state of max_num_seqs requests over half the KV memory", flagged),
-        ("at most half", fitted),
-    ):
-        if not group:
-            continue
-        verdicts: dict[str, int] = {}
-        for c in group:
-            key = _verdict(c).strip("*")
-            verdicts[key] = verdicts.get(key, 0) + 1
-        more = sum(1 for c in group if layouts(c)[1].preemptions > layouts(c)[0].preemptions)
-        fewer = sum(1 for c in group if layouts(c)[1].preemptions < layouts(c)[0].preemptions)
-        lines.append(
-            f"- {label} ({len(group)} cells): "
-            + ", ".join(f"{k} {n}" for k, n in sorted(verdicts.items()))
-            + f"; per-group pools preempt more in {more}, fewer in {fewer}."
-        )
-    hits = [c for c in ok if c.mode == "align" and c.trace == "prefix"]
-    if hits:
-        diffs = [(layouts(c)[1].prefix_hit_rate - layouts(c)[0].prefix_hit_rate, c) for c in hits]
-        up = [d for d in diffs if d[0] > 0.005]
-        down = [d for d in diffs if d[0] < -0.005]
-        best = max(diffs, key=lambda d: d[0])
-        lines.append(
-            f"- Prefix trace, 'align' ({len(hits)} cells): per-group pools hit more prefix "
-            f"tokens in {len(up)}, fewer in {len(down)}; largest gain "
-            f"{100 * best[0]:+.1f} points ({best[1].config}, {best[1].memory_gib} GiB, "
-            f"@{best[1].max_num_seqs}: {100 * layouts(best[1])[0].prefix_hit_rate:.1f}% -> "
-            f"{100 * layouts(best[1])[1].prefix_hit_rate:.1f}%)."
-        )
-    cpu = [
-        layouts(c)[1].cpu_us_per_step / layouts(c)[0].cpu_us_per_step
-        for c in ok
-        if layouts(c)[0].cpu_us_per_step
-    ]
-    if cpu:
-        cpu.sort()
-        lines.append(
-            f"- Scheduler CPU per step, per-group / stock (Rust pools against vLLM's Python "
-            f"pool, same process, shared machine): median {cpu[len(cpu) // 2]:.2f}, range "
-            f"{cpu[0]:.2f}-{cpu[-1]:.2f}."
-        )
+    flags = {id(c): over(c) for c in ok}
+    for layout in compared:
+        for label, group in (
+            (
+                "where the static split's Mamba state of max_num_seqs requests takes over half "
+                "the KV memory",
+                [c for c in ok if flags[id(c)]],
+            ),
+            ("where it takes at most half", [c for c in ok if not flags[id(c)]]),
+        ):
+            if not group:
+                continue
+            verdicts = {v: sum(1 for c in group if _verdict(c, layout) == v) for v in VERDICTS}
+            base = [c.layout(BASE).preemptions for c in group]
+            mine = [c.layout(layout).preemptions for c in group]
+            more = sum(1 for a, b in zip(base, mine, strict=True) if b > a)
+            fewer = sum(1 for a, b in zip(base, mine, strict=True) if b < a)
+            lines.append(
+                f"- {LABELS[layout]}, {label} ({_cells(len(group))}): "
+                + ", ".join(f"{k} {n}" for k, n in verdicts.items())
+                + f"; preempts more than stock in {more}, fewer in {fewer}."
+            )
+        hits = [c for c in ok if c.mode == "align" and c.trace == "prefix"]
+        if hits:
+            diffs = [(_ratios(c, layout).hits, c) for c in hits]
+            up = [d for d in diffs if d[0] > 0.005]
+            down = [d for d in diffs if d[0] < -0.005]
+            best = max(diffs, key=lambda d: d[0])
+            low = min(diffs, key=lambda d: d[0])
+            lines.append(
+                f"- {LABELS[layout]}, prefix trace, 'align' ({_cells(len(hits))}): hits more "
+                f"prefix tokens than stock in {len(up)}, fewer in {len(down)}; largest gain "
+                f"{100 * best[0]:+.1f} points ({best[1].config}, {best[1].memory_gib} GiB, "
+                f"@{best[1].max_num_seqs}: "
+                f"{100 * best[1].layout(BASE).prefix_hit_rate:.1f}% -> "
+                f"{100 * best[1].layout(layout).prefix_hit_rate:.1f}%), lowest "
+                f"{100 * low[0]:+.1f} ({low[1].config}, {low[1].memory_gib} GiB, "
+                f"@{low[1].max_num_seqs})."
+            )
     lines.append("")
     return lines
 
 
-def _pools(r: Any) -> str:
+def _pools(r: Any, elastic: bool = False) -> str:
     if not r.ok:
         return "refused"
     parts = []
     for pool in r.pools:
         unit = "states" if pool.kind == "Mamba" else f"x {pool.block_size} tokens"
         parts.append(f"{pool.kind} {pool.num_blocks:,} {unit}")
-    return "; ".join(parts)
+    return "; ".join(parts) + (" (each over the whole budget)" if elastic else "")
 
 
-def _layouts(cells: Sequence[Cell]) -> list[str]:
+def _layouts_section(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
     """The pools each layout built (they depend on model, memory, mode and max_num_seqs,
     not on the trace)."""
     rows = []
@@ -573,36 +843,50 @@ def _layouts(cells: Sequence[Cell]) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
         rows.append(
             [
                 c.config,
                 str(c.memory_gib),
                 c.mode,
                 str(c.max_num_seqs),
-                _pools(s),
-                _pools(p),
-                f"{s.kv_cache_size_tokens or 0:,} / {p.kv_cache_size_tokens or 0:,}"
-                if s.ok and p.ok
-                else "-",
+                *(_pools(c.layout(n), n == "elastic") for n in layouts),
+                _each(c, layouts, lambda r: f"{r.kv_cache_size_tokens or 0:,}"),
             ]
         )
-    return [
+    text = [
         "## The layouts",
         "",
         "Blocks of each pool, null block included (a Mamba block holds one request's "
         "state; in 'align' mode also cached states). Stock shares one pool between all "
         "groups: a running request takes one block per Mamba group in it, plus its "
-        "attention blocks of the raised block size. Per-group pools hold the Mamba state "
+        "attention blocks of the raised block size. The static split holds the Mamba state "
         "of `max_num_seqs` requests up front ('align': with room for cached states) and "
-        "give the rest to attention at 16 tokens a block. *KV capacity* is vLLM's own "
-        "startup figure (tokens; for per-group pools, of the attention pool only).",
+        "gives the rest to attention at 16 tokens a block.",
+    ]
+    if "elastic" in layouts:
+        text.append(
+            "Each elastic pool spans every page of the one shared budget at its own page "
+            "size (the pages of slabs it does not own are held by the budget), so its block "
+            "count is the most it could hold, not memory set aside."
+        )
+    text += [
+        "*KV capacity* is vLLM's own startup figure (tokens; for per-group pools, of the "
+        "attention pool only).",
         "",
         *_table(
-            ("model", "GiB", "mode", "max_num_seqs", "stock", "per-group", "KV capacity"), rows
+            (
+                "model",
+                "GiB",
+                "mode",
+                "max_num_seqs",
+                *(LABELS[n] for n in layouts),
+                f"KV capacity ({' / '.join(SHORT[n] for n in layouts)})",
+            ),
+            rows,
         ),
         "",
     ]
+    return text
 
 
 def _refusals(cells: Sequence[Cell]) -> list[str]:
@@ -621,36 +905,40 @@ def _refusals(cells: Sequence[Cell]) -> list[str]:
         "## Cells that could not be simulated",
         "",
         "The layout's own sizing refused to start an engine (the same error a real engine "
-        "would stop with at startup):",
+        "would stop with at startup), or the run failed:",
         "",
         *unique,
         "",
     ]
 
 
-def _highlight(cells: Sequence[Cell]) -> Cell | None:
-    ok = [c for c in cells if _both_ok(c)]
+def _highlight(cells: Sequence[Cell], layouts: Sequence[str]) -> Cell | None:
+    """The cell with the largest throughput difference of the primary layout."""
+    primary = _primary(layouts)
+    if primary is None:
+        return None
+    ok = [c for c in cells if _ok(c, *layouts)]
     if not ok:
         return None
-
-    def spread(c: Cell) -> float:
-        s, p = c.result.layouts["stock"], c.result.layouts["per-group"]
-        return abs(p.finished_per_step / s.finished_per_step - 1) if s.finished_per_step else 0
-
-    return max(ok, key=spread)
+    return max(ok, key=lambda c: abs(_ratios(c, primary).tput - 1))
 
 
-def _highlight_title(cells: Sequence[Cell]) -> str:
-    c = _highlight(cells)
-    if c is None:
-        return "(no cell ran on both layouts)"
+def _highlight_title(cells: Sequence[Cell], layouts: Sequence[str]) -> str:
+    c = _highlight(cells, layouts)
+    primary = _primary(layouts)
+    if c is None or primary is None:
+        return "(no cell ran on every layout)"
     return (
-        f"the cell with the largest throughput difference ({c.config}, {c.memory_gib} GiB, "
-        f"'{c.mode}', {c.trace}, max_num_seqs {c.max_num_seqs})"
+        f"the cell with the largest {LABELS[primary]} / stock throughput difference "
+        f"({c.config}, {c.memory_gib} GiB, '{c.mode}', {c.trace}, max_num_seqs "
+        f"{c.max_num_seqs}: {_ratios(c, primary).tput:.3f}x)"
     )
 
 
-def plot(cells: Sequence[Cell], traces: Sequence[str], path: Path) -> None:
+COLORS = {"stock": "#616161", "per-group": "#1f77b4", "elastic": "#2ca02c"}
+
+
+def plot(cells: Sequence[Cell], traces: Sequence[str], path: Path, layouts: Sequence[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -658,36 +946,48 @@ def plot(cells: Sequence[Cell], traces: Sequence[str], path: Path) -> None:
 
     from hybrid_alloc.integration.simulator import draw_series
 
+    compared = [n for n in layouts if n != BASE]
+    primary = _primary(layouts)
+    ordered = [n for n in [primary, *compared] if n is not None]
+    compared = list(dict.fromkeys(ordered))
     configs = sorted({c.config for c in cells})
     memories = sorted({c.memory_gib for c in cells})
-    fig = plt.figure(figsize=(15, 10))
-    grid = fig.add_gridspec(3, len(traces), height_ratios=[1, 1, 1.1])
-    colors = ["#9ecae1", "#4292c6", "#08519c", "#08306b"]
+    modes = [m for m in MODES if any(c.mode == m for c in cells)]
+    panels = [(layout, mode) for layout in compared for mode in modes]
+    fig = plt.figure(figsize=(15, 3.2 * (len(panels) + 1)))
+    grid = fig.add_gridspec(len(panels) + 1, len(traces), height_ratios=[1] * len(panels) + [1.1])
+    shades = ["#c7e9c0", "#74c476", "#238b45", "#00441b"]
+    blues = ["#9ecae1", "#4292c6", "#08519c", "#08306b"]
     width = 0.8 / max(1, len(memories))
-    for row, mode in enumerate(MODES):
+    for row, (layout, mode) in enumerate(panels):
+        colors = shades if layout == "elastic" else blues
         for col, kind in enumerate(traces):
             ax = fig.add_subplot(grid[row, col])
             for i, memory in enumerate(memories):
-                values = []
-                for config in configs:
+                xs, values = [], []
+                for j, config in enumerate(configs):
                     # Prefer the max_num_seqs=256 cell; else the re-run at fewer seqs.
                     sel = [
                         c
                         for c in cells
                         if (c.config, c.memory_gib, c.mode, c.trace) == (config, memory, mode, kind)
-                        and _both_ok(c)
+                        and _ok(c, BASE, layout)
                     ]
                     if not sel:
-                        values.append(0.0)
                         continue
-                    s = sel[0].result.layouts["stock"]
-                    p = sel[0].result.layouts["per-group"]
-                    values.append(
-                        p.finished_per_step / s.finished_per_step if s.finished_per_step else 0
-                    )
-                xs = [j + (i - (len(memories) - 1) / 2) * width for j in range(len(configs))]
-                ax.bar(xs, values, width, label=f"{memory} GiB", color=colors[i % len(colors)])
+                    xs.append(j + (i - (len(memories) - 1) / 2) * width)
+                    values.append(_ratios(sel[0], layout).tput - 1)
+                ax.bar(
+                    xs,
+                    values,
+                    width,
+                    bottom=1.0,
+                    label=f"{memory} GiB",
+                    color=colors[i % len(colors)],
+                )
             ax.axhline(1.0, color="#d62728", lw=0.8)
+            for threshold in (WORSE_TPUT, BETTER_TPUT):
+                ax.axhline(threshold, color="#999999", lw=0.6, ls=":")
             ax.set_xticks(range(len(configs)))
             ax.set_xticklabels(
                 [c.split("-")[0] + "-" + c.split("-")[1] for c in configs],
@@ -695,23 +995,34 @@ def plot(cells: Sequence[Cell], traces: Sequence[str], path: Path) -> None:
                 ha="right",
                 fontsize=7,
             )
-            ax.set_title(f"{kind}, mode '{mode}'", fontsize=9)
+            ax.set_title(f"{LABELS[layout]}: {kind}, mode '{mode}'", fontsize=9)
             if col == 0:
-                ax.set_ylabel("per-group / stock\nfinished per step", fontsize=8)
+                ax.set_ylabel(f"{SHORT[layout]} / stock\nfinished per step", fontsize=8)
             ax.grid(axis="y", alpha=0.3)
-            if row == 0 and col == 0:
+            if col == 0 and mode == modes[0]:
                 ax.legend(fontsize=7)
-    best = _highlight(cells)
+    best = _highlight(cells, layouts)
     if best is not None:
-        half = max(1, len(traces) // 2)
-        ax1 = fig.add_subplot(grid[2, :half])
-        ax2 = fig.add_subplot(grid[2, half:])
+        bottom = grid[len(panels), :].subgridspec(1, 2)
+        ax1 = fig.add_subplot(bottom[0, 0])
+        ax2 = fig.add_subplot(bottom[0, 1])
         draw_series(best.result, ax1, ax2)
+        for ax in (ax1, ax2):
+            for line in ax.get_lines():
+                label = str(line.get_label())
+                if label in COLORS:
+                    line.set_color(COLORS[label])
+                    line.set_label(LABELS[label])
+            ax.legend(fontsize=7)
         ax1.set_title(
-            f"{best.config}, {best.memory_gib} GiB, '{best.mode}', {best.trace}", fontsize=9
+            f"{best.config}, {best.memory_gib} GiB, '{best.mode}', {best.trace}, "
+            f"max_num_seqs {best.max_num_seqs}",
+            fontsize=9,
         )
     fig.suptitle(
-        "Serving simulation (vLLM's scheduler, no model): per-group pools vs stock vLLM",
+        "Serving simulation (vLLM's scheduler, no model): "
+        + ", ".join(LABELS[n] for n in compared)
+        + " vs stock vLLM",
         fontsize=11,
     )
     fig.tight_layout()
@@ -720,12 +1031,17 @@ def plot(cells: Sequence[Cell], traces: Sequence[str], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
     parser.add_argument("--configs", default=",".join(sorted(shipped_configs())))
     parser.add_argument("--memories", default=",".join(map(str, MEMORIES_GIB)))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help="layouts to run, stock first as the baseline (default: %(default)s)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write raw results")
     parser.add_argument(
         "--scale", type=float, default=1.0, help="trace sizes times this (smoke runs)"
@@ -735,6 +1051,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     memories = [int(m) for m in args.memories.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
     kinds = [t for t in args.traces.split(",") if t]
+    layouts = list(dict.fromkeys(n for n in args.layouts.split(",") if n))
+    from hybrid_alloc.integration.simulator import ALL_LAYOUTS
+
+    unknown = [n for n in layouts if n not in ALL_LAYOUTS or n not in LABELS]
+    if unknown:
+        parser.error(f"unknown layouts {', '.join(unknown)} (known: {', '.join(ALL_LAYOUTS)})")
+    if BASE not in layouts:
+        parser.error(f"--layouts must include {BASE} (every layout is compared with it)")
+    layouts = [BASE, *(n for n in layouts if n != BASE)]
+    bad = [m for m in modes if m not in MODES] + [t for t in kinds if t not in TRACES]
+    if bad:
+        parser.error(f"unknown modes or traces: {', '.join(bad)}")
     traces = {
         kind: make_trace(
             TRACES[kind][0],
@@ -744,12 +1072,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in kinds
     }
     t0 = time.perf_counter()
-    cells = run_cells(configs, memories, modes, traces)
+    cells = run_cells(configs, memories, modes, traces, layouts)
     elapsed = time.perf_counter() - t0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     png = args.out_dir / "serving.png"
-    plot(cells, kinds, png)
-    write_report(cells, traces, args.out_dir / "SERVING.md", elapsed, png.name)
+    plot(cells, kinds, png, layouts)
+    write_report(cells, traces, args.out_dir / "SERVING.md", elapsed, png.name, layouts)
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -761,6 +1089,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "trace": c.trace,
                         "max_num_seqs": c.max_num_seqs,
                         "seconds": c.seconds,
+                        "verdicts": {n: _verdict(c, n) for n in c.result.layouts if n != BASE},
                         "result": c.result.to_json(),
                     }
                     for c in cells
