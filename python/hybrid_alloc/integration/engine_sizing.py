@@ -275,13 +275,18 @@ def _page_stride(spec: KVCacheSpec) -> int:
     return round_up(spec.page_size_bytes, spec.get_block_stride_alignment())
 
 
+def _blocks_per_request(vllm_config: Any, spec: KVCacheSpec) -> int:
+    """vLLM's own figure: blocks one ``max_model_len`` request takes in a group of ``spec``."""
+    return cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+
+
 def group_needs(
     vllm_config: Any, gid: int, group: KVCacheGroupSpec, num_layers: int | None = None
 ) -> sizing.GroupNeeds:
     """The sizing model's view of one group, from vLLM's spec and vLLM's own per-request
     figure (``num_layers``: the layers one worker holds, default all of the group's)."""
     spec = group.kv_cache_spec
-    per_request = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+    per_request = _blocks_per_request(vllm_config, spec)
     factor = 1
     kind: sizing.GroupKind = "growing"
     if isinstance(spec, MambaSpec):
@@ -477,36 +482,8 @@ def _set_tp_replicas(
     )
 
 
-def elastic_layout(
-    vllm_config: Any, config: PerGroupKVCacheConfig, available_bytes: int
-) -> ElasticLayout:
-    """One byte budget of ``available_bytes`` for every pool of ``config`` (the elastic
-    layout, :func:`hybrid_alloc.sizing.size_elastic`): each pool's page is one block
-    across the layers of its groups.
-
-    Raises:
-        ValueError: one ``max_model_len`` request does not fit (what vLLM's own check
-            refuses at startup): the slabs its blocks need, plus slab 0 (null blocks).
-    """
-    needs = []
-    for layout in config.pool_layouts:
-        groups = [(g, config.kv_cache_groups[g]) for g in layout.group_ids]
-        parts = [group_needs(vllm_config, g, group) for g, group in groups]
-        needs.append(
-            replace(
-                parts[0],
-                page_bytes=sum(n.block_bytes for n in parts),
-                num_layers=1,
-                blocks_per_request=sum(n.blocks_per_request for n in parts),
-            )
-        )
-    result = sizing.size_elastic(
-        needs, available_bytes, max_model_len=vllm_config.model_config.max_model_len
-    )
-    return as_elastic_layout(result)
-
-
-def as_elastic_layout(result: sizing.ElasticSizing) -> ElasticLayout:
+def _as_elastic_layout(result: sizing.ElasticSizing) -> ElasticLayout:
+    """The budget as the scheduler's pool set and the workers read it."""
     return ElasticLayout(
         slab_bytes=result.slab_bytes, num_slabs=result.num_slabs, page_bytes=result.page_bytes
     )
@@ -608,11 +585,19 @@ def build_elastic_config(
         kv_cache_groups=groups,
         prefix_cache_retention_interval=(vllm_config.cache_config.prefix_cache_retention_interval),
         pool_layouts=layouts,
-        elastic=as_elastic_layout(elastic),
+        elastic=_as_elastic_layout(elastic),
         zero_new_blocks=True,
     )
     _set_tp_replicas(vllm_config, config, groups)
     return config
+
+
+def _kind_label(spec: KVCacheSpec) -> str:
+    """A group's spec as the sizing lines name it (Mamba specs with their cache mode)."""
+    kind = type(spec).__name__
+    if isinstance(spec, MambaSpec):
+        kind += f"({spec.mamba_cache_mode})"
+    return kind
 
 
 def describe_elastic(groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizing) -> str:
@@ -624,11 +609,9 @@ def describe_elastic(groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizi
         zip(groups, elastic.needs, elastic.pages_per_slab, strict=True)
     ):
         spec = group.kv_cache_spec
-        kind = type(spec).__name__
-        if isinstance(spec, MambaSpec):
-            kind += f"({spec.mamba_cache_mode})"
         parts.append(
-            f"group {gid} {kind} x{len(group.layer_names)} layers, block {spec.block_size} "
+            f"group {gid} {_kind_label(spec)} x{len(group.layer_names)} layers, block "
+            f"{spec.block_size} "
             f"tokens, {needs.block_bytes:,} B a block, {per_slab} a slab, "
             f"{needs.blocks_per_request} a request"
         )
@@ -650,11 +633,8 @@ def describe(groups: list[KVCacheGroupSpec], pools: sizing.Sizing) -> str:
     parts = []
     for gid, (group, pool) in enumerate(zip(groups, pools.pools, strict=True)):
         spec = group.kv_cache_spec
-        kind = type(spec).__name__
-        if isinstance(spec, MambaSpec):
-            kind += f"({spec.mamba_cache_mode})"
         parts.append(
-            f"group {gid} {kind} x{len(group.layer_names)} layers, page "
+            f"group {gid} {_kind_label(spec)} x{len(group.layer_names)} layers, page "
             f"{spec.page_size_bytes} B, block {spec.block_size} tokens: {pool.num_blocks} "
             f"blocks ({'grows' if pool.grows else pool.needs.kind})"
         )
@@ -737,6 +717,12 @@ def get_max_concurrency_for_kv_cache_config(
     if not isinstance(kv_cache_config, PerGroupKVCacheConfig):
         return float(_stock_get_max_concurrency(vllm_config, kv_cache_config))
     groups = kv_cache_config.kv_cache_groups
+
+    def per_request(layout: PoolLayout) -> int:
+        return sum(
+            _blocks_per_request(vllm_config, groups[g].kv_cache_spec) for g in layout.group_ids
+        )
+
     elastic = kv_cache_config.elastic
     if elastic is not None:
         # Every pool counts: a request's states take budget bytes as its attention does.
@@ -744,16 +730,7 @@ def get_max_concurrency_for_kv_cache_config(
             elastic.slab_bytes,
             elastic.num_slabs,
             (
-                (
-                    page,
-                    sum(
-                        cdiv(
-                            groups[g].kv_cache_spec.max_memory_usage_bytes(vllm_config),
-                            groups[g].kv_cache_spec.page_size_bytes,
-                        )
-                        for g in layout.group_ids
-                    ),
-                )
+                (page, per_request(layout))
                 for layout, page in zip(
                     kv_cache_config.pool_layouts, elastic.page_bytes, strict=True
                 )
@@ -761,16 +738,7 @@ def get_max_concurrency_for_kv_cache_config(
         )
     return sizing.max_concurrency(
         (
-            (
-                layout.num_blocks,
-                sum(
-                    cdiv(
-                        groups[g].kv_cache_spec.max_memory_usage_bytes(vllm_config),
-                        groups[g].kv_cache_spec.page_size_bytes,
-                    )
-                    for g in layout.group_ids
-                ),
-            )
+            (layout.num_blocks, per_request(layout))
             for layout in kv_cache_config.pool_layouts
             if layout.grows
         ),
