@@ -146,7 +146,7 @@ def report(p: Plan, out: TextIO | None = None) -> None:
         ("static split", ours.tokens, f"{ours.concurrency:.2f}x"),
     ]
     if p.elastic is not None:
-        lines.append(("elastic (default)", p.elastic.tokens, f"{p.elastic.concurrency:.2f}x"))
+        lines.append(("elastic", p.elastic.tokens, f"{p.elastic.concurrency:.2f}x"))
     lines.append(("physical limit", phys.tokens, f"{phys.concurrency:.2f}x"))
     print(f"  {'':24}{'tokens':>14}  concurrency @ {prm.max_model_len:,}", file=out)
     for label, tokens, conc in lines:
@@ -171,14 +171,14 @@ def _elastic_section(p: Plan, out: TextIO) -> None:
     e = p.elastic
     if e is None:
         print(
-            f"elastic (the default): one {p.params.max_model_len:,}-token request does not "
-            "fit in this memory",
+            f"elastic (HYBRID_ALLOC_ELASTIC_POOLS=1): one {p.params.max_model_len:,}-token "
+            "request does not fit in this memory",
             file=out,
         )
         print(file=out)
         return
     print(
-        f"elastic (the default): one budget of {e.num_slabs:,} slabs x "
+        f"elastic (HYBRID_ALLOC_ELASTIC_POOLS=1): one budget of {e.num_slabs:,} slabs x "
         f"{format_bytes(e.slab_bytes)} = {format_bytes(e.budget_bytes)} lent to each group's "
         f"pool while it needs it (slab edges lose at most {e.edge_waste:.1%} of a slab)",
         file=out,

@@ -259,8 +259,8 @@ class Plan:
     ours: Layout
     physical: PhysicalLimit
     elastic: sizing.ElasticSizing | None = None
-    """Elastic per-group pools (the engine's default): one byte budget every group's pool
-    draws from; None where one ``max_model_len`` request does not fit."""
+    """Elastic per-group pools (``HYBRID_ALLOC_ELASTIC_POOLS=1``): one byte budget every
+    group's pool draws from; None where one ``max_model_len`` request does not fit."""
 
     @property
     def ours_unused_bytes(self) -> int:

@@ -511,7 +511,9 @@ def test_cli_plan_each_shipped_config(name: str, capsys: pytest.CaptureFixture[s
     assert main(["plan", name, "--memory", "40GiB", "--max-model-len", "32768"]) == 0
     out = capsys.readouterr().out
     assert "stock vLLM 0.32" in out and "physical limit" in out and "static / physical" in out
-    assert "elastic (the default): one budget of" in out and "elastic / stock" in out
+    assert (
+        "elastic (HYBRID_ALLOC_ELASTIC_POOLS=1): one budget of" in out and "elastic / stock" in out
+    )
 
 
 def test_cli_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
