@@ -631,14 +631,19 @@ def check_pair(pair: dict[str, dict[str, Any]], coordinator: str, preempted: boo
     assert "Setting attention block size" not in log
     assert ours["reset_prefix_cache_ok"] is True
     for event in ("before_reset", "after_reset"):
-        state = ours["probe"][event]
-        if elastic:
-            # Every block back: no live page in any pool, every slab but slab 0 free.
-            budget = state["elastic"]
-            assert budget["live_pages"] == [0] * len(budget["live_pages"]), event
-            assert budget["fully_free"] == budget["num_slabs"] - 1, event
-        else:
-            assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
+        assert_every_block_back(ours["probe"][event], event)
+
+
+def assert_every_block_back(state: dict[str, Any], event: str = "") -> None:
+    """A probe state (``ours["probe"][event]``) with every block back in its pool: for one
+    pool or a static split, every block but the null block free; for elastic pools, no
+    live page in any pool and every slab but slab 0 (the null blocks') free."""
+    budget = state.get("elastic")
+    if budget is not None:
+        assert budget["live_pages"] == [0] * len(budget["live_pages"]), event
+        assert budget["fully_free"] == budget["num_slabs"] - 1, event
+    else:
+        assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
 
 
 def _resumes(run: dict[str, Any]) -> dict[int, list[list[int]]]:

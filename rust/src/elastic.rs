@@ -126,6 +126,10 @@ struct Virtual<'a> {
     /// Slabs virtually taken back: their pages are gone from their owner's queue.
     reclaimed: HashSet<SlabId>,
     unowned_used: usize,
+    /// Per group: pages of slabs lent in this step that its allocations have not popped
+    /// yet. A lent slab's pages all go to the front of the queue, so a later allocation
+    /// of the same group in the step pops them first.
+    spare: Vec<usize>,
 }
 
 impl Virtual<'_> {
@@ -173,6 +177,9 @@ impl Virtual<'_> {
     /// Group `g`'s `n` new pages by the policy; `Err(missing)` if it runs short.
     fn allocate(&mut self, g: GroupIndex, n: usize) -> Result<Lending, usize> {
         let per_slab = self.budget.pages_per_slab(g) as usize;
+        let from_spare = n.min(self.spare[g]);
+        self.spare[g] -= from_spare;
+        let n = n - from_spare;
         let empty = self.walk(g, n, true, false);
         let mut fresh = 0usize;
         let mut lending = Lending {
@@ -218,6 +225,7 @@ impl Virtual<'_> {
         }
         // The pool pops fresh pages first (they were pushed to the front), then its queue.
         self.walk(g, n.saturating_sub(fresh), false, true);
+        self.spare[g] += fresh.saturating_sub(n);
         Ok(lending)
     }
 }
@@ -233,6 +241,7 @@ fn new_virtual<'a>(budget: &'a ByteBudget, pools: &'a [&'a GroupPool]) -> Virtua
         lent: HashSet::new(),
         reclaimed: HashSet::new(),
         unowned_used: 0,
+        spare: vec![0; pools.len()],
     }
 }
 
@@ -773,5 +782,97 @@ mod tests {
             "{admitted} admitted, {refused} refused"
         );
         assert!(moves > 100, "memory changed owner {moves} times");
+    }
+
+    #[test]
+    fn a_group_asked_twice_in_a_step_gets_the_rest_of_its_lent_slab() {
+        // Slabs of 72 bytes: nine 8-byte pages of group 0 or one 72-byte page of group 1;
+        // one slab holds the null blocks, three are lendable.
+        let e = ElasticPools::new(72, 4, &[8, 72], true, 16).unwrap();
+        let refs = e.refs();
+        let plan = |news: &[(GroupIndex, usize)]| {
+            plan_steps(e.budget(), &refs, &[&[], &[]], news)
+                .unwrap()
+                .is_ok()
+        };
+        assert!(plan(&[(0, 18), (1, 1)]));
+        // 5 pages lend a slab of 9; the next 13 take its 4 other pages and one more slab.
+        assert!(plan(&[(0, 5), (1, 1), (0, 13)]));
+        assert!(plan(&[(0, 5), (0, 4), (0, 9), (1, 1)]));
+        assert!(!plan(&[(0, 5), (1, 1), (0, 14)]));
+    }
+
+    #[test]
+    fn steps_with_repeated_groups_are_planned_exactly() {
+        // Random steps asking each group one to three times, in a random order: the plan
+        // admits a step exactly when the same allocations, made for real, all succeed.
+        let mut rng = 5u64;
+        let (mut admitted, mut refused) = (0, 0);
+        for round in 0..120 {
+            let pages: &[i64] = if round % 2 == 0 {
+                &[16, 48]
+            } else {
+                &[8, 24, 96]
+            };
+            let mut e = ElasticPools::new(96, 6, pages, true, 16).unwrap();
+            let groups = pages.len();
+            let mut live: Vec<Vec<Vec<BlockId>>> = Vec::new();
+            let mut next_key = 0u64;
+            for _ in 0..60 {
+                if lcg(&mut rng) % 3 == 0 && !live.is_empty() {
+                    let i = lcg(&mut rng) as usize % live.len();
+                    for (g, held) in live.swap_remove(i).iter().enumerate() {
+                        for &p in held.iter().take(held.len() / 2) {
+                            if !e.pools[g].cache().is_cached(p) {
+                                e.pools[g].insert_hash(&key(next_key), p, None).unwrap();
+                                next_key += 1;
+                            }
+                        }
+                        e.free(g, held).unwrap();
+                    }
+                    continue;
+                }
+                let mut news: Vec<(GroupIndex, usize)> = Vec::new();
+                for g in 0..groups {
+                    for _ in 0..=(lcg(&mut rng) % 3) {
+                        news.push((g, (lcg(&mut rng) % 5) as usize));
+                    }
+                }
+                for i in (1..news.len()).rev() {
+                    news.swap(i, lcg(&mut rng) as usize % (i + 1));
+                }
+                let fits = {
+                    let refs = e.refs();
+                    let no_hits: Vec<&[BlockId]> = vec![&[]; groups];
+                    plan_steps(e.budget(), &refs, &no_hits, &news)
+                        .unwrap()
+                        .is_ok()
+                };
+                let mut trial = e.clone();
+                let mut req = vec![Vec::new(); groups];
+                let real = news
+                    .iter()
+                    .all(|&(g, n)| match trial.allocate(g, n, |_, _, _| {}) {
+                        Ok(got) => {
+                            req[g].extend(got);
+                            true
+                        }
+                        Err(_) => false,
+                    });
+                assert_eq!(fits, real, "plan {fits}, for real {real}: {news:?}");
+                if fits {
+                    admitted += 1;
+                    e = trial;
+                    live.push(req);
+                } else {
+                    refused += 1;
+                }
+                e.check_invariants().unwrap();
+            }
+        }
+        assert!(
+            admitted > 500 && refused > 50,
+            "{admitted} admitted, {refused} refused"
+        );
     }
 }

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import run_engines, slow_e2e
+from tests.helpers import assert_every_block_back, run_engines, slow_e2e
 
 pytestmark = [
     pytest.mark.e2e,
@@ -152,7 +152,7 @@ def _assert_no_leak(result: dict[str, Any]) -> None:
     assert result["reset_prefix_cache_ok"] is True
     for event in ("before_reset", "after_reset"):
         state = result["probe"][event]
-        assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1, event
+        assert_every_block_back(state, event)
         assert state["pool_usage"] == 0.0, event
 
 

@@ -30,6 +30,7 @@ from tests.helpers import (
     POOL_SET,
     RUST_POOL,
     STOCK_POOL,
+    assert_every_block_back,
     check_recompute_replay,
     replay_prompts,
     run_engines,
@@ -85,8 +86,7 @@ def _check_offloaded(stock: dict[str, Any], ours: dict[str, Any], pool: str) -> 
     assert ours["probe"]["init"]["block_pool"] == pool
     assert "hybrid_alloc: KV offloading by host copies" in ours["log_text"]
     assert ours["reset_prefix_cache_ok"] is True
-    state = ours["probe"]["before_reset"]
-    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
+    assert_every_block_back(ours["probe"]["before_reset"])
 
 
 # Runs whose small device pool preempts requests after they generated tokens.
@@ -238,8 +238,7 @@ def test_filesystem_tier_across_restart(offload_runs: dict[str, dict[str, Any]])
     assert "Created secondary tier #0 (fs)" in ours["log_text"]
     assert "in the shared offload region" in ours["log_text"]
     assert ours["reset_prefix_cache_ok"] is True
-    state = ours["probe"]["before_reset"]
-    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
+    assert_every_block_back(ours["probe"]["before_reset"])
 
 
 def test_offloading_per_group_nemotron_h(offload_runs: dict[str, dict[str, Any]]) -> None:
@@ -261,8 +260,7 @@ def test_restart_with_preemption_float32(offload_runs: dict[str, dict[str, Any]]
     assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
     assert "Created secondary tier #0 (fs)" in ours["log_text"]
     assert ours["reset_prefix_cache_ok"] is True
-    state = ours["probe"]["before_reset"]
-    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
+    assert_every_block_back(ours["probe"]["before_reset"])
 
 
 def test_offloading_drop_in_pool(offload_runs: dict[str, dict[str, Any]]) -> None:
@@ -288,8 +286,7 @@ def test_offloading_load_failures(offload_runs: dict[str, dict[str, Any]], fault
     assert "offloaded entries dropped from the index" in log
     assert ours["metrics"]["offload_load_bytes"] > 0
     assert ours["reset_prefix_cache_ok"] is True
-    state = ours["probe"]["before_reset"]
-    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
+    assert_every_block_back(ours["probe"]["before_reset"])
 
 
 @pytest.mark.parametrize("run", PREEMPTING)
@@ -311,5 +308,4 @@ def test_preemption_after_output_is_recompute(
     metrics = ours["metrics"]
     assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
     assert ours["reset_prefix_cache_ok"] is True
-    state = ours["probe"]["before_reset"]
-    assert state["pool_free_blocks"] == state["pool_num_gpu_blocks"] - 1
+    assert_every_block_back(ours["probe"]["before_reset"])

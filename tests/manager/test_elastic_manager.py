@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import Request, RequestStatus
 
+from hybrid_alloc.integration import coordinator as pg_coordinator
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import ElasticLayout, PoolSet
 from tests.helpers import (
@@ -161,3 +162,86 @@ def test_memory_changes_owner_both_ways() -> None:
     assert e.owner_changes(1)[1] > 0, "the state pool gave a slab to the attention pool"
     run(d, 3, [(8, 60)])
     assert e.owner_changes(0)[1] > 0, "the attention pool gave a slab back"
+
+
+class Loads:
+    """Async KV loads as vLLM's scheduler admits them (``delay_cache_blocks``), through
+    ``allocate_slots`` as installed (``honour``) or vLLM's own."""
+
+    def __init__(self, num_slabs: int, honour: bool) -> None:
+        self.d = Driver("full+mamba_align", num_slabs)
+        self.honour = honour
+        self.loading: list[Request] = []
+
+    def _allocate(self, req: Request, *args: Any, **kwargs: Any) -> Any:
+        if not self.honour:
+            return self.d.mgr.allocate_slots(req, *args, **kwargs)
+        pg_coordinator.install()
+        try:
+            return self.d.mgr.allocate_slots(req, *args, **kwargs)
+        finally:
+            pg_coordinator.uninstall()
+
+    def load(self, rid: str, length: int, loaded: int) -> bool:
+        req = new_request(rid, [hash((rid, i)) % 5000 for i in range(length)], 4)
+        blocks = self._allocate(
+            req,
+            0,
+            num_external_computed_tokens=loaded,
+            delay_cache_blocks=True,
+            full_sequence_must_fit=True,
+        )
+        if blocks is None:
+            return False
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.num_computed_tokens = loaded
+        self.loading.append(req)
+        return True
+
+    def finish_in_order(self) -> list[str]:
+        """Each loaded request, oldest first, asks for the rest of its prompt (nothing
+        else runs, as in a scheduler whose waiting head is a finished load) and then
+        finishes; the IDs of those that could not get their slots."""
+        stuck = []
+        for req in self.loading:
+            req.status = RequestStatus.WAITING
+            rest = req.num_tokens - req.num_computed_tokens
+            if self._allocate(req, rest) is None:
+                stuck.append(req.request_id)
+            self.d.mgr.free(req)
+            self.d.check()
+        return stuck
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_slabs=st.integers(4, 12),
+    loads=st.lists(st.tuples(st.integers(40, 300), st.floats(0.2, 0.95)), min_size=2, max_size=6),
+)
+def test_async_loads_never_wait_on_each_other(
+    num_slabs: int, loads: list[tuple[int, float]]
+) -> None:
+    """Async KV loads hold their pages while no step runs them, and vLLM never preempts a
+    waiting request: each load admitted must leave room for its own whole sequence and for
+    every earlier load's, so the loaded requests can each run in turn. (The engine stalled
+    with two half-loaded requests, each waiting for pages the other held.)"""
+    s = Loads(num_slabs, honour=True)
+    for i, (length, frac) in enumerate(loads):
+        s.load(f"l{i}", length, max(1, int(length * frac)))
+    assert s.finish_in_order() == []
+    e = s.d.pools.elastic
+    assert e is not None
+    assert all(e.num_live_pages(i) == 0 for i in range(len(s.d.pools)))
+
+
+def test_async_loads_without_the_reservation_can_wait_for_ever() -> None:
+    """The case the rule exists for: with vLLM's own ``allocate_slots`` (one block count
+    for the reservation) two loads are admitted that cannot both finish; with the
+    installed one the second waits until the first has run."""
+    plain = Loads(4, honour=False)
+    assert plain.load("a", 280, 70) and plain.load("b", 150, 37)
+    assert plain.finish_in_order() == ["a"]
+    honoured = Loads(4, honour=True)
+    assert honoured.load("a", 280, 70)
+    assert not honoured.load("b", 150, 37)
+    assert honoured.finish_in_order() == []

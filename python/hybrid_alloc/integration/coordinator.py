@@ -65,6 +65,50 @@ class PerGroupPoolsMixin:
         self.pool_set = pool_set
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
+        # Elastic pools: requests whose KV a connector loads asynchronously (admitted and
+        # holding pages, not running yet), and the one being admitted right now, with the
+        # engine's max_model_len (see `allocate_slots_honouring_loads`).
+        self._async_loads: dict[str, Any] = {}
+        self._load_admission: Any = None
+        self._max_model_len = 0
+
+    def free(self, request_id: str) -> None:
+        self._async_loads.pop(request_id, None)
+        super().free(request_id)  # type: ignore[misc]
+
+    def _no_hits(self) -> tuple[Sequence[Any], ...]:
+        return tuple(() for _ in self.single_type_managers)
+
+    def _load_reservations(
+        self,
+        request_id: str,
+        own_news: list[tuple[int, int]],
+        own_full: list[tuple[int, int]],
+    ) -> list[tuple[int, int]]:
+        """Pages an async load must leave room for, beyond its own load: the rest of its
+        own sequence (``own_full`` minus ``own_news``, per manager) and what every other
+        loading request still needs for its whole sequence."""
+        extra = [
+            (idx, max(0, full - now))
+            for (idx, now), (_, full) in zip(own_news, own_full, strict=True)
+        ]
+        for rid, req in self._async_loads.items():
+            if rid == request_id:
+                continue
+            full_tokens = min(req.num_tokens, self._max_model_len)
+            for gid, _, _, n in self._manager_needs(
+                rid,
+                full_tokens,
+                self._no_hits(),
+                0,
+                req.num_computed_tokens,
+                req.num_computed_tokens,
+                full_tokens,
+                True,
+                max(req.num_prompt_tokens, req.num_tokens - 1),
+            ):
+                extra.append((self.pool_set.pool_index_of_group(gid), n))
+        return extra
 
     def _manager_needs(
         self,
@@ -201,6 +245,7 @@ class PerGroupPoolsMixin:
         pool_set = self.pool_set
         hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
         news: list[tuple[int, int]] = []
+        needs_raw: list[tuple[int, int]] = []
         primary_need = 0
         for gid, manager, group_hits, n in self._manager_needs(
             request_id,
@@ -221,8 +266,33 @@ class PerGroupPoolsMixin:
             evictable = pool_set.pools[idx].count_evictable(group_hits) if not skipped else 0
             hits[idx].extend(group_hits)
             news.append((idx, max(0, n - evictable)))
+            needs_raw.append((idx, n))
             if idx == pool_set.primary_index:
                 primary_need += n
+        loading = self._load_admission
+        if loading is not None and loading.request_id == request_id:
+            # An async load holds its pages while nothing runs it, and a waiting request
+            # is never preempted: admit it only if its whole sequence and every other
+            # loading request's still fit the budget, or loads that each hold part of the
+            # budget can wait on one another for ever. vLLM reserves the same with one
+            # block count (`reserved_blocks`), which cannot see which pool's pages, nor
+            # slab edges, under elastic pools.
+            full_tokens = max(num_tokens, min(loading.num_tokens, self._max_model_len))
+            own_full = [
+                (pool_set.pool_index_of_group(gid), n)
+                for gid, _, _, n in self._manager_needs(
+                    request_id,
+                    full_tokens,
+                    new_computed_blocks,
+                    num_encoder_tokens,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    full_tokens,
+                    True,
+                    prefill_end,
+                )
+            ]
+            news = news + self._load_reservations(request_id, needs_raw, own_full)
         if not pool_set.plan(hits, news):
             return pool_set.get_num_free_blocks() + 1
         return primary_need
@@ -419,14 +489,51 @@ def get_kv_cache_coordinator(
     )
 
 
+_stock_allocate_slots = _kv_cache_manager.KVCacheManager.allocate_slots
+# Position of ``delay_cache_blocks`` among `allocate_slots`' arguments after the request.
+_DELAY_CACHE_BLOCKS_ARG = 5
+
+
+def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's `KVCacheManager.allocate_slots`; under elastic pools it also tells the
+    coordinator which request an async KV load admits (``delay_cache_blocks``) and keeps
+    the coordinator's set of loading requests: added when a load is admitted, removed when
+    the request gets slots to run or is freed."""
+    coordinator = self.coordinator
+    if not isinstance(coordinator, PerGroupPoolsMixin) or coordinator.pool_set.elastic is None:
+        return _stock_allocate_slots(self, request, *args, **kwargs)
+    loading = bool(
+        kwargs.get(
+            "delay_cache_blocks",
+            args[_DELAY_CACHE_BLOCKS_ARG] if len(args) > _DELAY_CACHE_BLOCKS_ARG else False,
+        )
+    )
+    if loading:
+        coordinator._load_admission = request
+        coordinator._max_model_len = self.max_model_len
+    try:
+        blocks = _stock_allocate_slots(self, request, *args, **kwargs)
+    finally:
+        coordinator._load_admission = None
+    if blocks is not None:
+        if loading:
+            coordinator._async_loads[request.request_id] = request
+        else:
+            coordinator._async_loads.pop(request.request_id, None)
+    return blocks
+
+
 def install() -> None:
     """Make vLLM's `KVCacheManager` build its coordinator through
-    :func:`get_kv_cache_coordinator` (idempotent)."""
+    :func:`get_kv_cache_coordinator`, and admit async KV loads through
+    :func:`allocate_slots_honouring_loads` (idempotent)."""
     _kv_cache_manager.get_kv_cache_coordinator = get_kv_cache_coordinator  # type: ignore[assignment]
+    _kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots_honouring_loads  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
     _kv_cache_manager.get_kv_cache_coordinator = _stock_get_kv_cache_coordinator  # type: ignore[assignment]
+    _kv_cache_manager.KVCacheManager.allocate_slots = _stock_allocate_slots  # type: ignore[method-assign]
 
 
 def is_installed() -> bool:

@@ -496,11 +496,6 @@ def elastic_unsupported_reason(vllm_config: Any) -> str | None:
 
     if not elastic_pools_enabled():
         return f"{ELASTIC_ENV_VAR} is not on"
-    if vllm_config.kv_transfer_config is not None:
-        # Measured: a tiny-budget engine offloading to the CPU tier stalled with no request
-        # running, pages live in every slab and two requests waiting forever; until the
-        # holder of those pages is found, offloading engines keep the static split.
-        return "KV offloading (the static split serves it)"
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     if not layout.is_block_compact:
         # A pool's block must be one run of bytes across its layers, so that memory can
