@@ -518,13 +518,12 @@ def largest_fitting_num_seqs(
 # ----------------------------------------------------------------- elastic pools
 
 ELASTIC_PAGES_PER_SLAB = 8
-"""Pages of the largest pool in one slab of elastic pools, at most. Slabs are whole
-multiples of its page, so the largest pool loses nothing at slab edges and the others at
-most two pages per slab. Within that bound :func:`choose_slab_bytes` takes the slab that
-loses the smallest share at slab edges, the smallest such: fine slabs strand the least
-memory in partly used slabs, but where other pools' pages do not divide them they lose
-pages at every edge (measured over the simulated matrix: 8 pages per slab everywhere left
-six cells 0.95-0.99x of stock's throughput, one page everywhere ten others)."""
+"""Pages of the largest pool in one slab of elastic pools, at most. Within that bound
+:func:`choose_slab_bytes` weighs what a slab loses at its edges (pages of a pool that do
+not divide it) against what coarse slabs cost (slab 0, memory stranded in partly used
+slabs): fine slabs strand the least, but where other pools' pages do not divide them they
+lose pages at every edge (measured over the simulated matrix: 8 pages per slab everywhere
+left six cells 0.95-0.99x of stock's throughput, one page everywhere ten others)."""
 
 ELASTIC_MIN_SLABS = 64
 """Slabs the budget is cut into at least (fewer pages per slab on small memory), so that
@@ -551,34 +550,49 @@ def choose_slab_bytes(
     page_bytes: Sequence[int],
     available_bytes: int,
     *,
+    blocks_per_request: Sequence[int] | None = None,
     max_pages_per_slab: int = ELASTIC_PAGES_PER_SLAB,
     min_slabs: int = ELASTIC_MIN_SLABS,
 ) -> int:
-    """The slab of elastic pools whose pages are ``page_bytes``: up to
-    ``max_pages_per_slab`` pages of the largest pool (fewer where that would leave under
-    ``min_slabs`` slabs), or a whole multiple of every page where one is at most twice
-    that; among those, the one that loses the least at slab edges, the finest among
-    equals."""
-    largest = max(page_bytes)
-    most = max(1, min(max_pages_per_slab, available_bytes // (min_slabs * largest)))
-    common = math.lcm(*page_bytes)
+    """The slab of elastic pools whose pages are ``page_bytes``.
 
-    def slab_of(per_slab: int) -> int:
-        slab = largest * per_slab
-        if common <= slab * 2:
-            # A whole multiple of every page: no pool loses anything at slab edges.
-            slab = common * max(1, slab // common)
-        return slab
+    Candidates: whole multiples of any pool's page from the largest page up to
+    ``max_pages_per_slab`` pages of the largest pool (fewer where that would leave under
+    ``min_slabs`` slabs, never fewer than two), and whole multiples of every page where one
+    is at most twice that. With ``blocks_per_request`` (each pool's blocks for one
+    ``max_model_len`` request) the slab is the one that holds the most such requests
+    (:func:`elastic_concurrency`: slab 0 and the pages lost at slab edges counted), less
+    half a slab per pool stranded in partly used slabs; a budget that cannot hold one
+    request in whole slabs counts as holding none. Without them: the least lost at slab
+    edges. The finest slab among equals."""
+    largest = max(page_bytes)
+    most = max(2, min(max_pages_per_slab, available_bytes // (min_slabs * largest)))
+    limit = most * largest
+    common = math.lcm(*page_bytes)
+    candidates: set[int] = set()
+    for p in set(page_bytes):
+        first, last = cdiv(largest, p), limit // p
+        # Pages far smaller than the largest: a few hundred multiples spread over the range.
+        candidates.update(range(first * p, last * p + 1, p * max(1, (last - first) // 512)))
+    if common <= limit * 2:
+        candidates.update(common * m for m in range(1, max(1, limit // common) + 1))
+    candidates = {b for b in candidates if all(pages_per_slab(b, p) >= 1 for p in page_bytes)}
 
     def edge_loss(slab: int) -> float:
         return max(slab - pages_per_slab(slab, p) * p for p in page_bytes) / slab
 
-    # Two pages of the largest pool always hold one page of each pool, one may not.
-    candidates = [slab_of(k) for k in range(1, max(most, 2) + 1)]
-    whole = [b for b in candidates if all(pages_per_slab(b, p) >= 1 for p in page_bytes)]
-    if most < 2 and slab_of(1) in whole:
-        whole = [slab_of(1)]
-    return min(whole, key=lambda b: (edge_loss(b), b))
+    if blocks_per_request is None:
+        return min(candidates, key=lambda b: (edge_loss(b), b))
+    pools = list(zip(page_bytes, blocks_per_request, strict=True))
+
+    def requests_held(slab: int) -> float:
+        slabs = available_bytes // slab
+        if slabs < 1 + sum(cdiv(n, pages_per_slab(slab, p)) for p, n in pools):
+            return 0.0
+        stranded = len(pools) * slab / 2 / max(available_bytes, 1)
+        return elastic_concurrency(slab, slabs, pools) * max(0.0, 1 - stranded)
+
+    return min(candidates, key=lambda b: (-round(requests_held(b), 9), edge_loss(b), b))
 
 
 @dataclass(frozen=True)
@@ -678,7 +692,11 @@ def size_elastic(
         raise ValueError("elastic per-group pools: at least one pool is needed")
     pages = [n.block_bytes for n in needs]
     slab = choose_slab_bytes(
-        pages, available_bytes, max_pages_per_slab=max_pages_per_slab, min_slabs=min_slabs
+        pages,
+        available_bytes,
+        blocks_per_request=[n.blocks_per_request for n in needs],
+        max_pages_per_slab=max_pages_per_slab,
+        min_slabs=min_slabs,
     )
     result = ElasticSizing(
         tuple(needs), slab, max(available_bytes // slab, 2), max_model_len, available_bytes

@@ -57,6 +57,36 @@ def test_chosen_slab_holds_a_page_of_every_pool(pages: list[int], memory: int) -
     NativeByteBudget(slab, 2, pages)
 
 
+@given(
+    pages=st.lists(st.integers(1 << 10, 1 << 22), min_size=2, max_size=3),
+    needs=st.lists(st.integers(1, 64), min_size=3, max_size=3),
+    memory=st.integers(1 << 20, 1 << 32),
+)
+def test_chosen_slab_holds_the_most_requests(
+    pages: list[int], needs: list[int], memory: int
+) -> None:
+    """With each pool's blocks per request the slab is the one of least edge loss unless
+    another holds more requests (slab 0 and slab edges counted); a budget that holds one
+    request at the least-loss slab still holds one at the chosen slab."""
+    needs = needs[: len(pages)]
+    pools = list(zip(pages, needs, strict=True))
+    chosen = model.choose_slab_bytes(pages, memory, blocks_per_request=needs)
+    least_loss = model.choose_slab_bytes(pages, memory)
+    assert all(model.pages_per_slab(chosen, p) >= 1 for p in pages)
+
+    def fits(slab: int) -> bool:
+        have = memory // slab
+        return have >= 1 + sum(model.cdiv(n, model.pages_per_slab(slab, p)) for p, n in pools)
+
+    if fits(least_loss):
+        assert fits(chosen)
+        held = model.elastic_concurrency(chosen, memory // chosen, pools)
+        other = model.elastic_concurrency(least_loss, memory // least_loss, pools)
+        # Within the stranding allowance (half a slab per pool) of the least-loss slab.
+        allowance = len(pages) * max(chosen, least_loss) / memory
+        assert held >= other * (1 - allowance) - 1e-9
+
+
 def test_size_elastic_counts_every_pool() -> None:
     needs = [
         model.GroupNeeds("gdn", "fixed", 3000, 3, 1),
@@ -206,7 +236,7 @@ def test_pipeline_stages_page_is_the_largest_stages() -> None:
     m = small_mamba("none")
     stage0 = {"l.0": m, "l.1": m, "l.2": m, "l.3": attention()}
     stage1 = {"l.4": m, "l.5": attention(), "l.6": attention()}
-    memory = [8 << 20, 6 << 20]
+    memory = [32 << 20, 24 << 20]
     configs = sizing.get_kv_cache_configs(cfg, [stage0, stage1], memory)
     layouts = [c.elastic for c in configs]
     assert layouts[0] == layouts[1] and layouts[0] is not None
