@@ -564,6 +564,20 @@ mod tests {
         n.to_le_bytes().to_vec()
     }
 
+    /// A request finishes: the first half of its pages in each group cached under fresh
+    /// keys, then all of them freed.
+    fn finish(e: &mut ElasticPools, req: &[Vec<BlockId>], next_key: &mut u64) {
+        for (g, held) in req.iter().enumerate() {
+            for &p in held.iter().take(held.len() / 2) {
+                if !e.pools[g].cache().is_cached(p) {
+                    e.pools[g].insert_hash(&key(*next_key), p, None).unwrap();
+                    *next_key += 1;
+                }
+            }
+            e.free(g, held).unwrap();
+        }
+    }
+
     #[test]
     fn memory_moves_both_ways() {
         // Slabs of 64 bytes: four 16-byte attention pages or one 64-byte state page.
@@ -703,18 +717,8 @@ mod tests {
             let mut next_key = 0u64;
             for _ in 0..80 {
                 if lcg(&mut rng) % 3 == 0 && !live.is_empty() {
-                    // A request finishes: cache some pages, free all.
                     let i = lcg(&mut rng) as usize % live.len();
-                    let req = live.swap_remove(i);
-                    for (g, held) in req.iter().enumerate() {
-                        for &p in held.iter().take(held.len() / 2) {
-                            if !e.pools[g].cache().is_cached(p) {
-                                e.pools[g].insert_hash(&key(next_key), p, None).unwrap();
-                                next_key += 1;
-                            }
-                        }
-                        e.free(g, held).unwrap();
-                    }
+                    finish(&mut e, &live.swap_remove(i), &mut next_key);
                 } else {
                     // A new request: some hits on free cached pages, some new pages.
                     let mut asks = vec![GroupAsk::default(); groups];
@@ -821,15 +825,7 @@ mod tests {
             for _ in 0..60 {
                 if lcg(&mut rng) % 3 == 0 && !live.is_empty() {
                     let i = lcg(&mut rng) as usize % live.len();
-                    for (g, held) in live.swap_remove(i).iter().enumerate() {
-                        for &p in held.iter().take(held.len() / 2) {
-                            if !e.pools[g].cache().is_cached(p) {
-                                e.pools[g].insert_hash(&key(next_key), p, None).unwrap();
-                                next_key += 1;
-                            }
-                        }
-                        e.free(g, held).unwrap();
-                    }
+                    finish(&mut e, &live.swap_remove(i), &mut next_key);
                     continue;
                 }
                 let mut news: Vec<(GroupIndex, usize)> = Vec::new();
