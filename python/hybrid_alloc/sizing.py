@@ -537,6 +537,11 @@ def pages_per_slab(slab_bytes: int, page_bytes: int) -> int:
     return (slab_bytes - page_bytes + math.gcd(slab_bytes, page_bytes)) // page_bytes
 
 
+def slab_edge_loss(slab_bytes: int, page_bytes: Iterable[int]) -> float:
+    """The largest share of a slab that a pool of one of ``page_bytes`` loses at its edges."""
+    return max(slab_bytes - pages_per_slab(slab_bytes, p) * p for p in page_bytes) / slab_bytes
+
+
 def elastic_concurrency(slab_bytes: int, num_slabs: int, pools: Iterable[tuple[int, int]]) -> float:
     """Requests of ``max_model_len`` tokens a budget of ``num_slabs`` slabs holds at once
     when all of it goes to such requests: ``pools`` gives each pool's ``(page_bytes,
@@ -578,11 +583,8 @@ def choose_slab_bytes(
         candidates.update(common * m for m in range(1, max(1, limit // common) + 1))
     candidates = {b for b in candidates if all(pages_per_slab(b, p) >= 1 for p in page_bytes)}
 
-    def edge_loss(slab: int) -> float:
-        return max(slab - pages_per_slab(slab, p) * p for p in page_bytes) / slab
-
     if blocks_per_request is None:
-        return min(candidates, key=lambda b: (edge_loss(b), b))
+        return min(candidates, key=lambda b: (slab_edge_loss(b, page_bytes), b))
     pools = list(zip(page_bytes, blocks_per_request, strict=True))
 
     def requests_held(slab: int) -> float:
@@ -592,7 +594,9 @@ def choose_slab_bytes(
         stranded = len(pools) * slab / 2 / max(available_bytes, 1)
         return elastic_concurrency(slab, slabs, pools) * max(0.0, 1 - stranded)
 
-    return min(candidates, key=lambda b: (-round(requests_held(b), 9), edge_loss(b), b))
+    return min(
+        candidates, key=lambda b: (-round(requests_held(b), 9), slab_edge_loss(b, page_bytes), b)
+    )
 
 
 @dataclass(frozen=True)
@@ -645,13 +649,7 @@ class ElasticSizing:
     @property
     def edge_waste(self) -> float:
         """The largest share of a slab any pool loses at slab edges."""
-        return (
-            max(
-                self.slab_bytes - k * p
-                for p, k in zip(self.page_bytes, self.pages_per_slab, strict=True)
-            )
-            / self.slab_bytes
-        )
+        return slab_edge_loss(self.slab_bytes, self.page_bytes)
 
     @property
     def concurrency(self) -> float:

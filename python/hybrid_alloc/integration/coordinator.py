@@ -49,7 +49,7 @@ class PerGroupPoolsMixin:
     single_type_managers: tuple[Any, ...]
     retention_interval: int | None
 
-    def _adopt_pool_set(self, pool_set: PoolSet) -> None:
+    def _adopt_pool_set(self, pool_set: PoolSet, max_model_len: int) -> None:
         """Give every manager its group's pool. Runs right after vLLM's ``__init__``,
         before any block is allocated, so the pool vLLM built is never used."""
         if pool_set.num_groups != len(self.single_type_managers):
@@ -66,11 +66,11 @@ class PerGroupPoolsMixin:
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
         # Elastic pools: requests whose KV a connector loads asynchronously (admitted and
-        # holding pages, not running yet), and the one being admitted right now, with the
-        # engine's max_model_len (see `allocate_slots_honouring_loads`).
+        # holding pages, not running yet), and the one being admitted right now (see
+        # `allocate_slots_honouring_loads`); their sequences count up to max_model_len.
         self._async_loads: dict[str, Any] = {}
         self._load_admission: Any = None
-        self._max_model_len = 0
+        self._max_model_len = max_model_len
 
     def free(self, request_id: str) -> None:
         self._async_loads.pop(request_id, None)
@@ -367,7 +367,7 @@ class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
             metrics_collector,
             extra,
         )
-        self._adopt_pool_set(pool_set)
+        self._adopt_pool_set(pool_set, max_model_len)
         # vLLM batched the lookup of groups with equal specs because they shared a pool;
         # with their own pools each is looked up in its own (the check at
         # ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` compares the
@@ -415,7 +415,7 @@ class PerGroupNoPrefixCacheCoordinator(PerGroupPoolsMixin, KVCacheCoordinatorNoP
             metrics_collector,
             extra,
         )
-        self._adopt_pool_set(pool_set)
+        self._adopt_pool_set(pool_set, max_model_len)
 
 
 def get_kv_cache_coordinator(
@@ -510,7 +510,6 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     )
     if loading:
         coordinator._load_admission = request
-        coordinator._max_model_len = self.max_model_len
     try:
         blocks = _stock_allocate_slots(self, request, *args, **kwargs)
     finally:
