@@ -183,10 +183,12 @@ def _elastic_section(p: Plan, out: TextIO) -> None:
         f"pool while it needs it (slab edges lose at most {e.edge_waste:.1%} of a slab)",
         file=out,
     )
-    for g, n, per_slab, pages in zip(p.groups, e.needs, e.pages_per_slab, e.num_pages, strict=True):
+    rows = zip(p.groups, e.needs, e.page_bytes, e.pages_per_slab, e.num_pages, strict=True)
+    for g, n, stride, per_slab, pages in rows:
+        padded = f" (padded to {format_bytes(stride)})" if stride != n.block_bytes else ""
         print(
-            f"  {g.label:32} {format_bytes(n.block_bytes):>10} a block, {per_slab:>4} a slab, "
-            f"up to {pages - 1:,} blocks",
+            f"  {g.label:32} {format_bytes(n.block_bytes):>10} a block{padded}, "
+            f"{per_slab:>4} a slab, up to {pages - 1:,} blocks",
             file=out,
         )
     print(

@@ -525,9 +525,15 @@ slabs): fine slabs strand the least, but where other pools' pages do not divide 
 lose pages at every edge (measured over the simulated matrix: 8 pages per slab everywhere
 left six cells 0.95-0.99x of stock's throughput, one page everywhere ten others)."""
 
-ELASTIC_MIN_SLABS = 64
+ELASTIC_MIN_SLABS = 32
 """Slabs the budget is cut into at least (fewer pages per slab on small memory), so that
 one slab is a small share of it."""
+
+
+STRIDE_ALIGNMENT = 256
+"""Bytes a padded block stride is a multiple of (or the block's own power-of-two
+alignment, where that is less): a padded page starts at least as aligned as vLLM's
+kernels need and as the unpadded page would."""
 
 
 def pages_per_slab(slab_bytes: int, page_bytes: int) -> int:
@@ -537,14 +543,55 @@ def pages_per_slab(slab_bytes: int, page_bytes: int) -> int:
     return (slab_bytes - page_bytes + math.gcd(slab_bytes, page_bytes)) // page_bytes
 
 
-def slab_edge_loss(slab_bytes: int, page_bytes: Iterable[int]) -> float:
-    """The largest share of a slab that a pool of one of ``page_bytes`` loses at its edges."""
-    return max(slab_bytes - pages_per_slab(slab_bytes, p) * p for p in page_bytes) / slab_bytes
+def padded_stride(slab_bytes: int, block_bytes: int) -> int:
+    """The block stride of a pool whose blocks may be padded: ``slab_bytes / k`` for the
+    most pages ``k`` of ``block_bytes`` that divide the slab evenly (aligned to
+    `STRIDE_ALIGNMENT`), where that fits more pages a slab than the unpadded page does at
+    slab edges; else ``block_bytes``. A stride that divides the slab puts every page at the
+    same place in every slab, so none straddles two.
+
+    Only Mamba/GDN state pools are padded (stock vLLM pads their pages too, and their
+    kernels take any block stride); attention pages stay dense, as kernels that split a
+    block into smaller kernel blocks need."""
+    if block_bytes > slab_bytes:
+        return block_bytes
+    align = min(block_bytes & -block_bytes, STRIDE_ALIGNMENT)
+    unpadded = pages_per_slab(slab_bytes, block_bytes)
+    for k in range(slab_bytes // block_bytes, unpadded, -1):
+        if slab_bytes % k == 0 and (slab_bytes // k) % align == 0:
+            return slab_bytes // k
+    return block_bytes
+
+
+def block_strides(
+    slab_bytes: int, block_bytes: Sequence[int], paddable: Sequence[bool]
+) -> tuple[int, ...]:
+    """Each pool's page in a budget of ``slab_bytes`` slabs: its block stride, padded
+    (:func:`padded_stride`) where ``paddable``."""
+    return tuple(
+        padded_stride(slab_bytes, b) if pad else b
+        for b, pad in zip(block_bytes, paddable, strict=True)
+    )
+
+
+def slab_edge_loss(
+    slab_bytes: int, page_bytes: Sequence[int], strides: Sequence[int] | None = None
+) -> float:
+    """The largest share of a slab that a pool of one of ``page_bytes`` loses at its edges
+    or to padding (``strides``: each pool's block stride, by default its page)."""
+    strides = page_bytes if strides is None else strides
+    return (
+        max(
+            slab_bytes - pages_per_slab(slab_bytes, s) * p
+            for p, s in zip(page_bytes, strides, strict=True)
+        )
+        / slab_bytes
+    )
 
 
 def elastic_concurrency(slab_bytes: int, num_slabs: int, pools: Iterable[tuple[int, int]]) -> float:
     """Requests of ``max_model_len`` tokens a budget of ``num_slabs`` slabs holds at once
-    when all of it goes to such requests: ``pools`` gives each pool's ``(page_bytes,
+    when all of it goes to such requests: ``pools`` gives each pool's ``(block stride,
     blocks_per_request)``; each pool's share of a request is counted in slabs at that
     pool's pages per slab, slab 0 (the null blocks) excluded."""
     per_request = sum(n / pages_per_slab(slab_bytes, page) for page, n in pools)
@@ -556,10 +603,12 @@ def choose_slab_bytes(
     available_bytes: int,
     *,
     blocks_per_request: Sequence[int] | None = None,
+    paddable: Sequence[bool] | None = None,
     max_pages_per_slab: int = ELASTIC_PAGES_PER_SLAB,
     min_slabs: int = ELASTIC_MIN_SLABS,
 ) -> int:
-    """The slab of elastic pools whose pages are ``page_bytes``.
+    """The slab of elastic pools whose blocks take ``page_bytes`` (``paddable``: the pools
+    whose block stride may be padded, :func:`padded_stride`; by default none).
 
     Candidates: whole multiples of any pool's page from the largest page up to
     ``max_pages_per_slab`` pages of the largest pool (fewer where that would leave under
@@ -570,6 +619,7 @@ def choose_slab_bytes(
     half a slab per pool stranded in partly used slabs; a budget that cannot hold one
     request in whole slabs counts as holding none. Without them: the least lost at slab
     edges. The finest slab among equals."""
+    pad = [False] * len(page_bytes) if paddable is None else list(paddable)
     largest = max(page_bytes)
     most = max(2, min(max_pages_per_slab, available_bytes // (min_slabs * largest)))
     limit = most * largest
@@ -581,22 +631,29 @@ def choose_slab_bytes(
         candidates.update(range(first * p, last * p + 1, p * max(1, (last - first) // 512)))
     if common <= limit * 2:
         candidates.update(common * m for m in range(1, max(1, limit // common) + 1))
-    candidates = {b for b in candidates if all(pages_per_slab(b, p) >= 1 for p in page_bytes)}
+    strides = {b: block_strides(b, page_bytes, pad) for b in candidates}
+    valid = {b: s for b, s in strides.items() if all(pages_per_slab(b, x) >= 1 for x in s)}
+
+    def loss(slab: int) -> float:
+        return slab_edge_loss(slab, page_bytes, valid[slab])
 
     if blocks_per_request is None:
-        return min(candidates, key=lambda b: (slab_edge_loss(b, page_bytes), b))
-    pools = list(zip(page_bytes, blocks_per_request, strict=True))
+        return min(valid, key=lambda b: (loss(b), b))
 
     def requests_held(slab: int) -> float:
+        pools = list(zip(valid[slab], blocks_per_request, strict=True))
         slabs = available_bytes // slab
-        if slabs < 1 + sum(cdiv(n, pages_per_slab(slab, p)) for p, n in pools):
+        if slabs < 1 + sum(cdiv(n, pages_per_slab(slab, s)) for s, n in pools):
             return 0.0
         stranded = len(pools) * slab / 2 / max(available_bytes, 1)
         return elastic_concurrency(slab, slabs, pools) * max(0.0, 1 - stranded)
 
-    return min(
-        candidates, key=lambda b: (-round(requests_held(b), 9), slab_edge_loss(b, page_bytes), b)
-    )
+    return min(valid, key=lambda b: (-round(requests_held(b), 9), loss(b), b))
+
+
+def elastic_paddable(needs: Iterable[GroupNeeds]) -> list[bool]:
+    """Pools whose blocks may be padded in the budget: the fixed (Mamba/GDN state) ones."""
+    return [n.kind == "fixed" for n in needs]
 
 
 @dataclass(frozen=True)
@@ -621,8 +678,16 @@ class ElasticSizing:
     available_bytes: int
 
     @property
-    def page_bytes(self) -> tuple[int, ...]:
+    def block_bytes(self) -> tuple[int, ...]:
+        """What one block of each pool takes (all its layers)."""
         return tuple(n.block_bytes for n in self.needs)
+
+    @property
+    def page_bytes(self) -> tuple[int, ...]:
+        """Each pool's page in the budget: its block stride, the bytes from one of its
+        blocks to the next; a Mamba/GDN pool's blocks are padded where that fits more of
+        them a slab (:func:`padded_stride`)."""
+        return block_strides(self.slab_bytes, self.block_bytes, elastic_paddable(self.needs))
 
     @property
     def budget_bytes(self) -> int:
@@ -649,7 +714,7 @@ class ElasticSizing:
     @property
     def edge_waste(self) -> float:
         """The largest share of a slab any pool loses at slab edges."""
-        return slab_edge_loss(self.slab_bytes, self.page_bytes)
+        return slab_edge_loss(self.slab_bytes, self.block_bytes, self.page_bytes)
 
     @property
     def concurrency(self) -> float:
@@ -661,7 +726,7 @@ class ElasticSizing:
         return elastic_concurrency(
             self.slab_bytes,
             self.num_slabs,
-            [(n.block_bytes, n.blocks_per_request) for n in self.needs],
+            [(s, n.blocks_per_request) for s, n in zip(self.page_bytes, self.needs, strict=True)],
         )
 
     @property
@@ -693,6 +758,7 @@ def size_elastic(
         pages,
         available_bytes,
         blocks_per_request=[n.blocks_per_request for n in needs],
+        paddable=elastic_paddable(needs),
         max_pages_per_slab=max_pages_per_slab,
         min_slabs=min_slabs,
     )

@@ -87,13 +87,62 @@ def test_chosen_slab_holds_the_most_requests(
         assert held >= other * (1 - allowance) - 1e-9
 
 
+@given(
+    slab=st.integers(1 << 10, 1 << 22),
+    block=st.integers(1 << 8, 1 << 20),
+)
+def test_padded_stride_fits_more_pages_and_never_straddles(slab: int, block: int) -> None:
+    """A padded stride divides the slab (every page in the same place in every slab),
+    stays aligned, and fits more pages a slab than the unpadded page; the Rust budget
+    counts the same pages for it."""
+    stride = model.padded_stride(slab, block)
+    unpadded = model.pages_per_slab(slab, block) if block <= slab else 0
+    if stride == block:
+        return
+    assert stride > block and slab % stride == 0
+    assert stride % min(block & -block, model.STRIDE_ALIGNMENT) == 0
+    assert slab // stride > unpadded
+    assert NativeByteBudget(slab, 4, [stride]).pages_per_slab(0) == slab // stride
+
+
+@given(
+    pages=st.lists(st.integers(1 << 10, 1 << 22), min_size=2, max_size=3),
+    needs=st.lists(st.integers(1, 64), min_size=3, max_size=3),
+    memory=st.integers(1 << 20, 1 << 32),
+)
+def test_padding_never_holds_fewer_requests(
+    pages: list[int], needs: list[int], memory: int
+) -> None:
+    """Padding the first pool's blocks (a Mamba pool) only adds slabs to choose from and
+    pages to each slab: the slab chosen with it holds at least as many requests."""
+    needs = needs[: len(pages)]
+    paddable = [True] + [False] * (len(pages) - 1)
+
+    def held(slab: int, pad: list[bool]) -> float:
+        strides = model.block_strides(slab, pages, pad)
+        if any(model.pages_per_slab(slab, s) < 1 for s in strides):
+            return 0.0
+        pools = list(zip(strides, needs, strict=True))
+        slabs = memory // slab
+        if slabs < 1 + sum(model.cdiv(n, model.pages_per_slab(slab, s)) for s, n in pools):
+            return 0.0
+        stranded = len(pools) * slab / 2 / memory
+        return model.elastic_concurrency(slab, slabs, pools) * max(0.0, 1 - stranded)
+
+    padded = model.choose_slab_bytes(pages, memory, blocks_per_request=needs, paddable=paddable)
+    plain = model.choose_slab_bytes(pages, memory, blocks_per_request=needs)
+    assert held(padded, paddable) >= held(plain, [False] * len(pages)) - 1e-9
+
+
 def test_size_elastic_counts_every_pool() -> None:
     needs = [
         model.GroupNeeds("gdn", "fixed", 3000, 3, 1),
         model.GroupNeeds("attn", "growing", 1024, 1, 64),
     ]
     result = model.size_elastic(needs, 64 << 20, max_model_len=1024)
-    assert result.page_bytes == (9000, 1024)
+    assert result.block_bytes == (9000, 1024)
+    assert result.page_bytes[1] == 1024  # attention is never padded
+    assert result.page_bytes[0] == model.padded_stride(result.slab_bytes, 9000)
     assert result.budget_bytes <= 64 << 20
     assert result.num_pages == tuple(result.budget_bytes // p for p in result.page_bytes)
     per_request = sum(

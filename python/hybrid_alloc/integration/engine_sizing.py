@@ -600,14 +600,15 @@ def describe_elastic(groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizi
         f"one budget of {elastic.num_slabs:,} slabs x {elastic.slab_bytes:,} B shared by "
         f"{len(groups)} pools"
     ]
-    for gid, (group, needs, per_slab) in enumerate(
-        zip(groups, elastic.needs, elastic.pages_per_slab, strict=True)
+    for gid, (group, needs, stride, per_slab) in enumerate(
+        zip(groups, elastic.needs, elastic.page_bytes, elastic.pages_per_slab, strict=True)
     ):
         spec = group.kv_cache_spec
+        padded = f" (padded to {stride:,} B)" if stride != needs.block_bytes else ""
         parts.append(
             f"group {gid} {_kind_label(spec)} x{len(group.layer_names)} layers, block "
             f"{spec.block_size} "
-            f"tokens, {needs.block_bytes:,} B a block, {per_slab} a slab, "
+            f"tokens, {needs.block_bytes:,} B a block{padded}, {per_slab} a slab, "
             f"{needs.blocks_per_request} a request"
         )
     return "; ".join(parts)
