@@ -583,12 +583,7 @@ def _headline(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
     lines += _ranked(ok, primary, layouts, worst=False)
     lines += _cpu_section(cells, layouts)
     if "elastic" in compared:
-        lines += [
-            "Fragmentation of the elastic pools (free bytes stranded in slabs that also "
-            "hold live blocks, bytes lost at slab edges) is not in this report: `simulate` "
-            "does not record it (its per-layout result has no stranded or slab-edge bytes).",
-            "",
-        ]
+        lines += _fragmentation(ok)
     lines += _findings(ok, compared)
     for n in [primary, *others]:
         lines += _overview(ok, n)
@@ -725,6 +720,44 @@ def _cpu_section(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
         ),
         "",
         f"Total scheduler CPU over the cells that ran on every layout: {totals}.",
+        "",
+    ]
+
+
+def _fragmentation(ok: Sequence[Cell]) -> list[str]:
+    """The elastic budget's fragmentation as the simulator sampled it every busy step:
+    free bytes stranded in slabs that also hold live blocks, and bytes of owned slabs no
+    page can use (slab edges, padded Mamba/GDN blocks), as shares of the budget."""
+    sampled = [
+        (c, r)
+        for c in ok
+        if (r := c.layout("elastic")).mean_stranded is not None and r.mean_edge_waste is not None
+    ]
+    if not sampled:
+        return []
+
+    def spread(values: list[float]) -> str:
+        values = sorted(values)
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        return (
+            f"{100 * statistics.median(values):.1f}% / {100 * p90:.1f}% / {100 * values[-1]:.1f}%"
+        )
+
+    worst = sorted(sampled, key=lambda cr: -(cr[1].mean_stranded or 0.0))[:5]
+    return [
+        f"Fragmentation of the elastic budget, sampled every busy step of {_cells(len(sampled))}"
+        " (share of the budget; median / p90 / worst cell): stranded, free bytes in slabs "
+        "that also hold live blocks (only their owner can use them; cached blocks count as "
+        f"free), mean over the steps {spread([r.mean_stranded or 0.0 for _, r in sampled])}, "
+        f"peak {spread([r.peak_stranded or 0.0 for _, r in sampled])}; lost at slab edges and "
+        "to padded Mamba/GDN blocks in owned slabs, mean "
+        f"{spread([r.mean_edge_waste or 0.0 for _, r in sampled])}. Most stranded: "
+        + "; ".join(
+            f"{c.name} {100 * (r.mean_stranded or 0.0):.1f}% (peak "
+            f"{100 * (r.peak_stranded or 0.0):.1f}%, {_verdict(c, 'elastic')})"
+            for c, r in worst
+        )
+        + ".",
         "",
     ]
 

@@ -233,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def per_group_comparison(model: Path, work: Path, args: argparse.Namespace) -> bool:
     """Stock vLLM vs per-group pools at the same KV memory: capacity and outputs."""
     print(
-        f"\nper-group pools: stock shared pool vs one pool per KV-cache group, both with "
+        f"\nper-group pools: stock shared pool vs one pool per KV-cache group over one "
+        f"elastic byte budget (HYBRID_ALLOC_ELASTIC_POOLS=0: a static split), both with "
         f"{PER_GROUP_KV_MIB} MiB of KV memory, no prefix caching (Mamba 'none' mode)",
         flush=True,
     )

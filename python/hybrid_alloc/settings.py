@@ -7,8 +7,8 @@
   per KV-cache group (default on; ``0`` keeps the Rust pool a drop-in for vLLM's one shared
   pool).
 * ``HYBRID_ALLOC_ELASTIC_POOLS``: with per-group pools, whether the pools share one byte
-  budget that moves between them with the traffic (``1``) rather than a static split
-  sized up front for ``max_num_seqs`` requests (unset or ``0``, for now).
+  budget that moves between them with the traffic (default on) rather than a static split
+  sized up front for ``max_num_seqs`` requests (``0``).
 * ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX``: on vLLM 0.32 CPU platforms, whether the plugin corrects
   the GDN speculative-decoding conv history (default on; :mod:`hybrid_alloc.integration.
   cpu_gdn_spec`). Applied with both backends, so they run the same kernel.
@@ -33,7 +33,7 @@ _FALSE = ("0", "false", "no", "off")
 CPU_GDN_SPEC_FIX_ENV_VAR = "HYBRID_ALLOC_CPU_GDN_SPEC_FIX"
 
 ELASTIC_ENV_VAR = "HYBRID_ALLOC_ELASTIC_POOLS"
-ELASTIC_DEFAULT = False
+ELASTIC_DEFAULT = True
 
 PREFIX = "HYBRID_ALLOC_"
 SWITCHES = (ENV_VAR, PER_GROUP_ENV_VAR, ELASTIC_ENV_VAR, CPU_GDN_SPEC_FIX_ENV_VAR)
@@ -81,8 +81,8 @@ def per_group_pools_enabled(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def elastic_pools_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``HYBRID_ALLOC_ELASTIC_POOLS`` makes per-group pools elastic (unset: off
-    until elastic pools pass every engine pair the static split passes).
+    """Whether ``HYBRID_ALLOC_ELASTIC_POOLS`` makes per-group pools elastic (unset: on;
+    ``0`` keeps the static split).
 
     Raises:
         ValueError: a value that is neither true-ish nor false-ish.

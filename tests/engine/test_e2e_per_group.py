@@ -53,8 +53,9 @@ def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path:
     "(24-block pools, two waves) do too"
 )
 def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: Any) -> None:
-    """Prefix caching ('align' mode), a 20-block attention pool and one request at a
-    time: cached prefixes are evicted and hit across two waves, no preemption."""
+    """Prefix caching ('align' mode), the memory of a 20-block attention pool's static
+    split lent elastically (at least 20 attention pages) and one request at a time:
+    cached prefixes are evicted and hit across two waves, no preemption."""
     pair = run_pair(
         tiny_models["qwen3_next"],
         tmp_path,
@@ -64,7 +65,8 @@ def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: An
     ours = pair["per_group"]
     assert ours["metrics"]["prefix_cache_hits"] > 0
     assert ours["metrics"]["block_reuses"] > 0  # cached blocks were evicted and reused
-    assert ours["capacity"]["num_gpu_blocks"] == 20
+    assert ours["capacity"]["num_gpu_blocks"] >= 20
+    assert ours["probe"]["before_reset"]["elastic"]["num_slabs"] > 0
 
 
 # Nemotron-H in float32 with short prompts that grow by 300-600 tokens: blocks run out
@@ -90,7 +92,9 @@ PREEMPTION_CASES: dict[str, tuple[list[str], dict[str, list[str]], str]] = {
             "--max-tokens",
             "600",
         ],
-        {"stock": ["--num-gpu-blocks", "12"], "per_group": ["--num-gpu-blocks", "8"]},
+        # Elastic pools lend the states' bytes to attention: the static split's 8 blocks
+        # (with 16 requests' states) would never run out; 3 MiB holds 1.5 requests.
+        {"stock": ["--num-gpu-blocks", "12"], "per_group": ["--kv-cache-mib", "3"]},
         "PerGroupHybridCoordinator",
     ),
 }

@@ -239,12 +239,13 @@ def test_switch_keeps_the_static_split(monkeypatch: pytest.MonkeyPatch) -> None:
     from hybrid_alloc.integration import engine_sizing as sizing
 
     cfg = small_engine_config("none")
-    (config,) = sizing.get_kv_cache_configs(cfg, [qwen_like_specs()], [4 << 20])
-    assert isinstance(config, PerGroupKVCacheConfig) and config.elastic is not None
-    for value in ("0", ""):  # off, and unset: the default
+    for value in ("1", ""):  # on, and unset: the default
         monkeypatch.setenv("HYBRID_ALLOC_ELASTIC_POOLS", value)
         (config,) = sizing.get_kv_cache_configs(cfg, [qwen_like_specs()], [4 << 20])
-        assert isinstance(config, PerGroupKVCacheConfig) and config.elastic is None
+        assert isinstance(config, PerGroupKVCacheConfig) and config.elastic is not None
+    monkeypatch.setenv("HYBRID_ALLOC_ELASTIC_POOLS", "0")
+    (config,) = sizing.get_kv_cache_configs(cfg, [qwen_like_specs()], [4 << 20])
+    assert isinstance(config, PerGroupKVCacheConfig) and config.elastic is None
 
 
 def test_elastic_capacity_counts_states() -> None:

@@ -30,7 +30,7 @@ class EngineCase:
     cached prefixes are evicted and hit again across the two waves.
     """
 
-    num_gpu_blocks: int
+    num_gpu_blocks: int | None
     max_num_seqs: int = 4
     block_size: int = 128
     max_num_batched_tokens: int = 1024
@@ -47,10 +47,12 @@ class EngineCase:
 
     def engine_args(self) -> list[str]:
         """``tests.support.engine_run`` arguments (wave gate on: same batches every run)."""
+        blocks = (
+            [] if self.num_gpu_blocks is None else ["--num-gpu-blocks", str(self.num_gpu_blocks)]
+        )
         return [
             "--prefix-caching",
-            "--num-gpu-blocks",
-            str(self.num_gpu_blocks),
+            *blocks,
             "--max-num-seqs",
             str(self.max_num_seqs),
             "--block-size",

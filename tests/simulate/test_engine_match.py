@@ -19,12 +19,21 @@ from tests.simulate.cases import EngineCase
 
 pytest.importorskip("vllm")
 
-# A 30-block shared pool (stock) and a 16-block attention pool (per-group) are both small
-# enough that requests are preempted (4 sequences, two waves of 12 prompts sharing 4
-# prefixes), and cached prefixes are evicted and hit again.
+# A 30-block shared pool (stock) and a 16-block attention pool (the static split) are both
+# small enough that requests are preempted (4 sequences, two waves of 12 prompts sharing 4
+# prefixes), and cached prefixes are evicted and hit again. Elastic pools lend the states'
+# bytes to attention and admit exactly, so they preempt only in a 1 MiB budget (2.5
+# requests of max_model_len) with 200-token outputs. layout -> (backend, per-group pools,
+# case, engine-only arguments).
 CASES = {
-    "stock": ("vllm", False, EngineCase(num_gpu_blocks=30)),
-    "per-group": ("rust", True, EngineCase(num_gpu_blocks=16)),
+    "stock": ("vllm", False, EngineCase(num_gpu_blocks=30), []),
+    "per-group": ("rust", True, EngineCase(num_gpu_blocks=16), ["--no-elastic-pools"]),
+    "elastic": (
+        "rust",
+        True,
+        EngineCase(num_gpu_blocks=None, kv_cache_mib=1, max_tokens=200),
+        ["--elastic-pools"],
+    ),
 }
 
 
@@ -39,11 +48,11 @@ def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engines(
     tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, dict[str, Any]]:
-    """Both layouts' engines, started at once (one core each; the wave gate makes their
+    """Every layout's engine, started at once (one core each; the wave gate makes their
     schedules independent of timing)."""
     runs = {
-        layout: (backend, per_group, case.engine_args())
-        for layout, (backend, per_group, case) in CASES.items()
+        layout: (backend, per_group, [*case.engine_args(), *extra])
+        for layout, (backend, per_group, case, extra) in CASES.items()
     }
     return run_engines(tiny_qwen3_next, tmp_path_factory.mktemp("engine_match"), runs)
 
@@ -57,7 +66,7 @@ def test_simulated_schedule_matches_the_engine(
     from hybrid_alloc.model_specs import model_from_config
     from hybrid_alloc.planner import load_config
 
-    _, per_group, case = CASES[layout]
+    _, per_group, case, _ = CASES[layout]
     engine = engines[layout]
     cfg = load_config(tiny_qwen3_next)
     model = model_from_config(cfg, dtype="bfloat16")

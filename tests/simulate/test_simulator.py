@@ -102,6 +102,12 @@ def test_random_traces_finish_without_leaks(
     # Elastic pools: the budget and every pool agree at the end (check_invariants).
     elastic = result.layouts["elastic"]
     assert elastic.invariants_ok is True or elastic.error, elastic
+    # Fragmentation is sampled on the elastic budget only, as shares of it.
+    if elastic.ok:
+        assert elastic.mean_stranded is not None and elastic.mean_edge_waste is not None
+        assert 0.0 <= elastic.mean_stranded <= (elastic.peak_stranded or 0.0) <= 1.0
+        assert 0.0 <= elastic.mean_edge_waste < 1.0
+    assert result.layouts["per-group"].mean_stranded is None
 
 
 # ------------------------------------------------------------------ layouts vs the planner

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hybrid_alloc.settings import BACKENDS, ENV_VAR, PER_GROUP_ENV_VAR
+from hybrid_alloc.settings import BACKENDS, ELASTIC_ENV_VAR, ENV_VAR, PER_GROUP_ENV_VAR
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root: the engine processes import ``tests.support.probe`` from it."""
@@ -448,6 +448,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"set {PER_GROUP_ENV_VAR} for the engine (default: inherited; per-group "
         "pools are on with the rust backend unless it is 0)",
     )
+    p.add_argument(
+        "--elastic-pools",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"set {ELASTIC_ENV_VAR} for the engine (default: inherited; per-group pools "
+        "are elastic unless it is 0)",
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument(
         "--engine-arg",
@@ -503,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[ENV_VAR] = args.backend  # before vLLM is imported
         if args.per_group_pools is not None:
             os.environ[PER_GROUP_ENV_VAR] = "1" if args.per_group_pools else "0"
+        if args.elastic_pools is not None:
+            os.environ[ELASTIC_ENV_VAR] = "1" if args.elastic_pools else "0"
         return _child_main(args)
     return _parent_main(args, argv)
 

@@ -85,8 +85,9 @@ from hybrid_alloc.traces import TokenStreams, Trace, TraceRequest
 
 LAYOUTS = ("stock", "per-group")
 ALL_LAYOUTS = (*LAYOUTS, "elastic")
-"""``elastic``: per-group pools over one byte budget (:mod:`hybrid_alloc.integration.pool_set`'s
-`ElasticLayout`), scheduler side only: the engine does not build it yet."""
+"""``per-group``: the static split (``HYBRID_ALLOC_ELASTIC_POOLS=0``); ``elastic``: per-group
+pools over one byte budget (:mod:`hybrid_alloc.integration.pool_set`'s `ElasticLayout`), the
+engine's default."""
 PLATFORMS = ("cuda", "cpu")
 MAMBA_CACHE_MODES = ("none", "align")
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -202,6 +203,14 @@ class LayoutResult:
     peak_kv_held_bytes: int = 0
     ttft_steps: dict[str, float] = field(default_factory=dict)
     latency_steps: dict[str, float] = field(default_factory=dict)
+    mean_stranded: float | None = None
+    """Elastic pools only: free bytes in slabs that also hold live blocks (only their owner
+    can use them; cached blocks count as free), as a share of the budget, averaged over the
+    busy steps; ``peak_stranded`` the most at any step."""
+    peak_stranded: float | None = None
+    mean_edge_waste: float | None = None
+    """Elastic pools only: bytes of owned slabs that no page can use (slab edges, padding),
+    as a share of the budget, averaged over the busy steps."""
     scheduler_cpu_s: float = 0.0
     scheduler_wall_s: float = 0.0
     build_s: float = 0.0
@@ -829,6 +838,16 @@ def run_engine(
     # Elastic pools: the share of the one budget in use; else the attention pool's usage.
     get_usage = pool_set.get_usage if elastic else attention_pool.get_usage
     held_sum = 0.0
+    budget = pool_set.elastic if elastic else None
+    budget_bytes = budget.slab_bytes * budget.num_slabs if budget is not None else 0
+    # Bytes of each pool's owned slab that its pages do not use: slab edges and the padding
+    # of padded Mamba/GDN blocks (the budget knows only the block stride).
+    slab_loss = (
+        [budget.slab_bytes - budget.pages_per_slab(g) * b for g, (_, b) in enumerate(pool_bytes)]
+        if budget is not None
+        else []
+    )
+    stranded_sum = edge_sum = 0.0
     step = 0
     wave = -1
     busy = 0
@@ -890,6 +909,13 @@ def run_engine(
             for p, b in pool_bytes
         )
         held_sum += held
+        if budget is not None:
+            stranded = budget.stranded_bytes / budget_bytes
+            stranded_sum += stranded
+            edge_sum += (
+                sum(budget.num_owned(g) * loss for g, loss in enumerate(slab_loss)) / budget_bytes
+            )
+            result.peak_stranded = max(result.peak_stranded or 0.0, stranded)
         result.peak_kv_held_bytes = max(result.peak_kv_held_bytes, held)
         series["kv_held_gib"].append(round(held / (1 << 30), 5))
         series["step"].append(step)
@@ -915,6 +941,9 @@ def run_engine(
         result.mean_waiting = sum(series["waiting"]) / busy
         result.mean_kv_usage = kv_sum / busy
         result.mean_kv_held_bytes = held_sum / busy
+        if budget is not None:
+            result.mean_stranded = stranded_sum / busy
+            result.mean_edge_waste = edge_sum / busy
     result.ttft_steps = _percentiles([first_token[r] - arrival[r] for r in first_token])
     result.latency_steps = _percentiles([done[r] - arrival[r] for r in done])
     result.series = series
