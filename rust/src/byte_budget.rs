@@ -67,8 +67,13 @@ pub struct ByteBudget {
     /// Per group: slabs owned, and slabs owned with no live page.
     owned: Vec<u32>,
     idle: Vec<u32>,
-    /// Owned slabs with no live page, in ID order: the slabs taken back first.
-    idle_slabs: BTreeSet<SlabId>,
+    /// Owned slabs with no live page, keyed by when each became idle: the slab idle the
+    /// longest is taken back first, so the cached pages another group's need evicts are
+    /// the least recently used ones, whichever group cached them.
+    idle_slabs: BTreeSet<(u64, SlabId)>,
+    /// Per slab: the tick of `clock` at which it last became idle (its key in `idle_slabs`).
+    idle_since: Vec<u64>,
+    clock: u64,
     changes: Vec<OwnerChanges>,
 }
 
@@ -142,6 +147,8 @@ impl ByteBudget {
             owned: vec![0; groups],
             idle: vec![0; groups],
             idle_slabs: BTreeSet::new(),
+            idle_since: vec![0; slabs as usize],
+            clock: 0,
             changes: vec![OwnerChanges::default(); groups],
         })
     }
@@ -220,9 +227,19 @@ impl ByteBudget {
         self.idle[g]
     }
 
-    /// Owned slabs with no live page, in ID order.
+    /// Owned slabs with no live page, the one idle the longest first.
     pub fn idle_slabs(&self) -> impl Iterator<Item = SlabId> + '_ {
-        self.idle_slabs.iter().copied()
+        self.idle_slabs.iter().map(|&(_, s)| s)
+    }
+
+    fn mark_idle(&mut self, s: SlabId) {
+        self.clock += 1;
+        self.idle_since[s as usize] = self.clock;
+        self.idle_slabs.insert((self.clock, s));
+    }
+
+    fn unmark_idle(&mut self, s: SlabId) {
+        self.idle_slabs.remove(&(self.idle_since[s as usize], s));
     }
 
     /// The unowned slab [`ByteBudget::grant`] lends next.
@@ -316,7 +333,7 @@ impl ByteBudget {
         self.owner[s as usize] = Some(g as u16);
         self.owned[g] += 1;
         self.idle[g] += 1;
-        self.idle_slabs.insert(s);
+        self.mark_idle(s);
         self.changes[g].granted += 1;
         Ok(Some(s))
     }
@@ -335,7 +352,7 @@ impl ByteBudget {
         self.owner[s as usize] = None;
         self.owned[g] -= 1;
         self.idle[g] -= 1;
-        self.idle_slabs.remove(&s);
+        self.unmark_idle(s);
         self.changes[g].released += 1;
         // Keep the lowest ID on top.
         let at = self.unowned.partition_point(|&u| u > s);
@@ -391,7 +408,7 @@ impl ByteBudget {
         }
         if self.live[s] == 0 {
             self.idle[g] -= 1;
-            self.idle_slabs.remove(&(s as SlabId));
+            self.unmark_idle(s as SlabId);
         }
         self.live[s] += 1;
         Ok(())
@@ -409,7 +426,7 @@ impl ByteBudget {
         self.live[s] -= 1;
         if self.live[s] == 0 {
             self.idle[g] += 1;
-            self.idle_slabs.insert(s as SlabId);
+            self.mark_idle(s as SlabId);
         }
         Ok(())
     }
@@ -455,7 +472,12 @@ impl ByteBudget {
         let idle_set: BTreeSet<SlabId> = (0..self.num_slabs())
             .filter(|&s| self.owner(s).is_some() && self.live[s as usize] == 0)
             .collect();
-        if idle_set != self.idle_slabs {
+        let keyed: BTreeSet<SlabId> = self.idle_slabs.iter().map(|&(_, s)| s).collect();
+        let stale = self
+            .idle_slabs
+            .iter()
+            .any(|&(t, s)| self.idle_since[s as usize] != t);
+        if idle_set != keyed || keyed.len() != self.idle_slabs.len() || stale {
             return Err("the idle set differs from the owned slabs without live pages".into());
         }
         if owned != self.owned || idle != self.idle {
@@ -566,6 +588,29 @@ mod tests {
             }
         );
         assert_eq!(b.owner_changes(1).granted, 2);
+        b.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_slab_idle_longest_is_taken_back_first() {
+        // Three slabs of group 0, each pinned once; they go idle in the order 3, 1, 2, so
+        // that is the order another group's need takes them back, whatever their IDs.
+        let mut b = ByteBudget::new(64, 5, &[16, 64]).unwrap();
+        let slabs: Vec<SlabId> = (0..3).map(|_| b.grant(0).unwrap().unwrap()).collect();
+        assert_eq!(slabs, [1, 2, 3]);
+        for &s in &slabs {
+            b.pin(0, b.pages_in(0, s).start).unwrap();
+        }
+        for s in [3, 1, 2] {
+            b.unpin(0, b.pages_in(0, s).start).unwrap();
+        }
+        assert_eq!(b.idle_slabs().collect::<Vec<_>>(), [3, 1, 2]);
+        // Used again, slab 3 is no longer the oldest: idle again, it is the newest.
+        b.pin(0, b.pages_in(0, 3).start).unwrap();
+        b.unpin(0, b.pages_in(0, 3).start).unwrap();
+        assert_eq!(b.idle_slabs().collect::<Vec<_>>(), [1, 2, 3]);
+        b.release(0, 1).unwrap();
+        assert_eq!(b.idle_slabs().collect::<Vec<_>>(), [2, 3]);
         b.check_invariants().unwrap();
     }
 

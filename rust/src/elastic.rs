@@ -15,7 +15,8 @@
 //! 1. empty pages: as many as the front of `g`'s queue holds before its first cached page;
 //! 2. then unowned slabs, lent to `g` (memory nobody uses, before any eviction);
 //! 3. then `g`'s own cached pages, least recently used first;
-//! 4. then idle slabs (no page in use) of other groups, lowest ID first, taken back (their
+//! 4. then idle slabs (no page in use) of other groups, the one idle the longest first (the
+//!    least recently used cached pages of any group go first), taken back (their
 //!    cached pages evicted) and lent to `g`;
 //! 5. else the allocation is refused and nothing changes.
 //!
