@@ -30,6 +30,14 @@ def qwen_like_specs(mode: str = "none") -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------- the sizing model
+# Page sizes of two or three pools, each pool's blocks for one request, and the memory.
+SLAB_CHOICES = given(
+    pages=st.lists(st.integers(1 << 10, 1 << 22), min_size=2, max_size=3),
+    needs=st.lists(st.integers(1, 64), min_size=3, max_size=3),
+    memory=st.integers(1 << 20, 1 << 32),
+)
+
+
 @given(
     slab=st.integers(1, 1 << 22),
     page=st.integers(1, 1 << 20),
@@ -57,11 +65,7 @@ def test_chosen_slab_holds_a_page_of_every_pool(pages: list[int], memory: int) -
     NativeByteBudget(slab, 2, pages)
 
 
-@given(
-    pages=st.lists(st.integers(1 << 10, 1 << 22), min_size=2, max_size=3),
-    needs=st.lists(st.integers(1, 64), min_size=3, max_size=3),
-    memory=st.integers(1 << 20, 1 << 32),
-)
+@SLAB_CHOICES
 def test_chosen_slab_holds_the_most_requests(
     pages: list[int], needs: list[int], memory: int
 ) -> None:
@@ -105,11 +109,7 @@ def test_padded_stride_fits_more_pages_and_never_straddles(slab: int, block: int
     assert NativeByteBudget(slab, 4, [stride]).pages_per_slab(0) == slab // stride
 
 
-@given(
-    pages=st.lists(st.integers(1 << 10, 1 << 22), min_size=2, max_size=3),
-    needs=st.lists(st.integers(1, 64), min_size=3, max_size=3),
-    memory=st.integers(1 << 20, 1 << 32),
-)
+@SLAB_CHOICES
 def test_padding_never_holds_fewer_requests(
     pages: list[int], needs: list[int], memory: int
 ) -> None:
