@@ -69,10 +69,15 @@ def no_hooks() -> None:
 
 
 def engine(
-    mode: str, specs: dict[str, Any], memory: int = 4 << 20, layout: str = "LBHNC"
+    mode: str,
+    specs: dict[str, Any],
+    memory: int = 4 << 20,
+    layout: str = "LBHNC",
+    elastic: bool = False,
 ) -> PerGroupKVCacheConfig:
     """The engine core's config for these layer specs (``engine_sizing``), laid out for
-    the workers' KV-cache ``layout``."""
+    the workers' KV-cache ``layout``: the static split, or elastic pools (every group's
+    layers viewing one budget)."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from hybrid_alloc.integration import engine_sizing as sizing
@@ -80,13 +85,18 @@ def engine(
     cfg = small_engine_config(mode, caching=mode == "align")
     cfg.cache_config.get_resolved_kv_cache_layout = lambda: KVCacheLayout[layout]
     groups = sizing.build_groups(specs)
-    config = sizing.build_config(cfg, groups, sizing.size_groups(cfg, groups, memory))
+    if elastic:
+        budget = sizing.size_elastic_groups(cfg, groups, [memory], [specs])
+        config = sizing.build_elastic_config(cfg, groups, budget)
+    else:
+        config = sizing.build_config(cfg, groups, sizing.size_groups(cfg, groups, memory))
     assert isinstance(config, PerGroupKVCacheConfig) and config.zero_new_blocks
+    assert (config.elastic is not None) == elastic
     return config
 
 
 def three_pools(
-    mode: str = "align", layout: str = "LBHNC", layers: int = 1
+    mode: str = "align", layout: str = "LBHNC", layers: int = 1, elastic: bool = False
 ) -> PerGroupKVCacheConfig:
     """Mamba + full attention + sliding window (``layers`` layers each): three pools of
     three sizes."""
@@ -95,7 +105,7 @@ def three_pools(
         specs.update(
             {f"m.{i}": small_mamba(mode), f"f.{i}": attention(), f"w.{i}": attention(window=64)}
         )
-    return engine(mode, specs, layout=layout)
+    return engine(mode, specs, layout=layout, elastic=elastic)
 
 
 def gid_of(config: PerGroupKVCacheConfig, kind: type, window: bool | None = None) -> int:
@@ -434,6 +444,43 @@ def test_cpu_runner_zeroes_each_groups_full_attention_blocks(hooks: None) -> Non
     assert_zeroed_exactly(config, caches, {full: allocated[full]})
 
 
+@pytest.mark.parametrize("runner_kind", ["v2", "v1", "cpu"])
+def test_runners_zero_new_blocks_of_elastic_pools(
+    runner_kind: str, hooks: None, cpu_kernel: Any
+) -> None:
+    """Elastic pools (every group's layers view one budget): the scheduler's tagged list,
+    through the GPU runners' zeroer or the CPU runner, zeroes exactly the new attention
+    blocks' pages (each layer's page at the group's block stride), no other byte of the
+    budget: the pages of live blocks of different groups never share bytes."""
+    config = three_pools(elastic=True)
+    mgr, allocated, _ = new_attention_blocks(config)
+    caches = kv_caches(config)
+    cpu_kernel(caches)
+    lo, hi = allocation_bounds(caches)
+    raw = torch.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=torch.uint8)
+    before = raw.clone()
+    tagged = mgr.take_new_block_ids()
+    if runner_kind == "cpu":
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        CPUModelRunner._zero_block_ids(cpu_runner(config, caches), tagged)  # type: ignore[arg-type]
+        zeroed_groups = [kinds(config)[1]]  # vLLM's CPU runner zeroes full attention only
+    else:
+        zero_with_runner(runner_kind, config, caches, tagged)
+        zeroed_groups = list(kinds(config)[1:])
+    assert not torch.equal(raw, before)
+    # Each new block's page is zero in every layer of its group; filled again with 1, the
+    # budget is byte for byte what it was: nothing else was written.
+    for gid in zeroed_groups:
+        assert allocated[gid], gid
+        for name in config.kv_cache_groups[gid].layer_names:
+            for block in allocated[gid]:
+                page = caches[name][block]
+                assert bool((page == 0).all()), (name, block)
+                page.fill_(1)
+    assert torch.equal(raw, before)
+
+
 def test_stock_cpu_runner_zeroes_other_pools_ids(no_hooks: None) -> None:
     """Without the hooks (vLLM's CPU runner, the scheduler's untagged list) every ID on the
     list is zeroed in the full-attention layers, the sliding-window pool's too. The pools
@@ -507,9 +554,10 @@ def fabricate_dummy_ids(config: PerGroupKVCacheConfig, context_len: int) -> list
     return [t[:num_reqs] for t in tables]
 
 
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 @pytest.mark.parametrize("mode", ["align", "none"])
-def test_v2_dummy_block_ids_stay_in_each_pool(mode: str, hooks: None) -> None:
-    config = three_pools(mode)
+def test_v2_dummy_block_ids_stay_in_each_pool(mode: str, elastic: bool, hooks: None) -> None:
+    config = three_pools(mode, elastic=elastic)
     counts = config.group_num_blocks()
     tables = fabricate_dummy_ids(config, context_len=MAX_LEN // 2)
     for gid, table in enumerate(tables):
@@ -579,11 +627,12 @@ def ids_by_group(outputs: list[Any]) -> dict[int, list[list[int]]]:
     return out
 
 
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_v2_warmup_block_ids_stay_in_each_pool(
-    mode: str, hooks: None, monkeypatch: pytest.MonkeyPatch
+    mode: str, elastic: bool, hooks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = three_pools(mode)
+    config = three_pools(mode, elastic=elastic)
     counts = config.group_num_blocks()
     by_group = ids_by_group(run_warmup(config, monkeypatch))
     assert set(by_group) == set(range(len(counts)))
