@@ -472,12 +472,13 @@ impl ByteBudget {
         let idle_set: BTreeSet<SlabId> = (0..self.num_slabs())
             .filter(|&s| self.owner(s).is_some() && self.live[s as usize] == 0)
             .collect();
+        // Each entry's key is its slab's stamp, so no slab can appear twice.
         let keyed: BTreeSet<SlabId> = self.idle_slabs.iter().map(|&(_, s)| s).collect();
         let stale = self
             .idle_slabs
             .iter()
             .any(|&(t, s)| self.idle_since[s as usize] != t);
-        if idle_set != keyed || keyed.len() != self.idle_slabs.len() || stale {
+        if idle_set != keyed || stale {
             return Err("the idle set differs from the owned slabs without live pages".into());
         }
         if owned != self.owned || idle != self.idle {
