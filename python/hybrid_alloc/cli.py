@@ -28,6 +28,7 @@ from hybrid_alloc.planner import (
     shipped_configs,
 )
 from hybrid_alloc.settings import selected_backend
+from hybrid_alloc.step_time import TIME_MODELS
 
 _UNITS = {
     "": 1,
@@ -334,7 +335,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             platform=args.platform,
+            time_model=args.time_model,
             step_ms=args.step_ms,
+            params_b=args.params,
+            active_params_b=args.active_params,
             token_seed=args.seed,
         )
         result = simulate(args.config, settings, trace, layouts=args.layouts)
@@ -357,14 +361,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser(
         "simulate",
-        help="run vLLM's scheduler on stock vs per-group pools with a request trace (needs vLLM)",
+        help="run vLLM's scheduler on stock vLLM vs this package's pools (default: elastic "
+        "per-group pools, what the engine runs) with a request trace (needs vLLM)",
+        description="Run vLLM's own scheduler, KV-cache manager and block pools, no model, "
+        "on a request trace, once per layout: stock vLLM and, by default, elastic per-group "
+        "pools (the engine's default with this package installed). Each step costs what it "
+        "computes on one H100 (--time-model h100: prompt chunks, recompute after "
+        "preemption, decodes, KV context and Mamba states read) or a fixed --step-ms "
+        "(--time-model fixed, for scheduler-cost comparisons).",
     )
     s.add_argument("config", help="config.json, a folder holding one, or a shipped config name")
     s.add_argument("--memory", type=parse_memory, default=parse_memory("24GiB"))
     s.add_argument(
         "--trace",
         default="chat",
-        help="chat, long, prefix (generated, seeded) or a JSONL file (default chat)",
+        help="chat, long, prefix, reasoning, agentic (generated, seeded) or a JSONL file "
+        "(default chat)",
     )
     s.add_argument("--num-requests", type=_positive, default=None, help="trace size")
     s.add_argument("--rate", type=float, default=None, help="arrivals per second")
@@ -375,14 +387,36 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     s.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
     s.add_argument("--max-model-len", type=_positive, default=None)
     s.add_argument("--block-size", type=_positive, default=16)
-    s.add_argument("--step-ms", type=float, default=25.0, help="simulated ms per step")
+    s.add_argument(
+        "--time-model",
+        choices=TIME_MODELS,
+        default="h100",
+        help="h100: a step costs what it computes on one H100 (default); fixed: --step-ms",
+    )
+    s.add_argument(
+        "--step-ms", type=float, default=25.0, help="ms per step with --time-model fixed"
+    )
+    s.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="parameters in billions for the time model (default: the config's model-card "
+        "figure, else estimated from it)",
+    )
+    s.add_argument(
+        "--active-params",
+        type=float,
+        default=None,
+        help="parameters a token uses, in billions (MoE; default as --params)",
+    )
     s.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
     s.add_argument(
         "--layouts",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
-        default=["stock", "per-group"],
-        help="comma-separated: stock, per-group, elastic (default stock, per-group; "
-        "elastic: per-group pools over one byte budget, scheduler side only)",
+        default=["stock", "elastic"],
+        help="comma-separated: stock (vLLM's own pool), elastic (per-group pools over one "
+        "byte budget: the engine's default with this package installed), per-group (the "
+        "static split, HYBRID_ALLOC_ELASTIC_POOLS=0); default stock,elastic",
     )
     s.add_argument("--json", metavar="FILE.json", help="write the results (with time series)")
     s.add_argument("--plot", metavar="FILE.png", help="running requests and KV usage over time")
