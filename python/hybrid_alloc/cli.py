@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from hybrid_alloc.model_specs import model_from_config
 from hybrid_alloc.planner import (
     ALIGN_CACHE_FACTOR,
     MAMBA_CACHE_MODES,
@@ -29,6 +28,7 @@ from hybrid_alloc.planner import (
 )
 from hybrid_alloc.settings import selected_backend
 from hybrid_alloc.step_time import TIME_MODELS
+from hybrid_alloc.vllm_specs import SPEC_SOURCES, describe_source, load_model_spec
 
 _UNITS = {
     "": 1,
@@ -99,7 +99,11 @@ def report(p: Plan, out: TextIO | None = None) -> None:
     """Print the plan: settings, a table per layout, and the capacity summary."""
     out = out or sys.stdout  # looked up at call time, so redirected stdout is honoured
     m, prm, stock, ours, phys = p.model, p.params, p.stock, p.ours, p.physical
-    print(f"model     {m.name} ({m.family}): {len(m.layers)} KV layers = {m.describe()}", file=out)
+    print(
+        f"model     {m.name} ({m.family}): {len(m.layers)} KV layers = {m.describe()} "
+        f"({describe_source(m)})",
+        file=out,
+    )
     print(
         f"settings  KV memory {format_bytes(prm.kv_bytes)}, max_num_seqs {prm.max_num_seqs}, "
         f"{prm.num_spec_tokens} speculative tokens, mamba_cache_mode {prm.mamba_cache_mode}, "
@@ -260,8 +264,9 @@ def plot_plans(plans: Sequence[tuple[str, Plan]], path: str | Path, title: str) 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
-        model = model_from_config(
+        model = load_model_spec(
             cfg,
+            args.specs,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
@@ -335,6 +340,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             platform=args.platform,
+            specs=args.specs,
             time_model=args.time_model,
             step_ms=args.step_ms,
             params_b=args.params,
@@ -418,9 +424,22 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         "byte budget: the engine's default with this package installed), per-group (the "
         "static split, HYBRID_ALLOC_ELASTIC_POOLS=0); default stock,elastic",
     )
+    _add_specs_argument(s)
     s.add_argument("--json", metavar="FILE.json", help="write the results (with time series)")
     s.add_argument("--plot", metavar="FILE.png", help="running requests and KV usage over time")
     s.set_defaults(func=_cmd_simulate)
+
+
+def _add_specs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--specs",
+        choices=SPEC_SOURCES,
+        default="auto",
+        help="where layer kinds and state shapes come from: vllm (vLLM's own model class "
+        "on the meta device: any hybrid architecture vLLM serves), table (hybrid_alloc's "
+        "parser of six families, no vLLM needed), auto (vllm where installed, the table "
+        "where not or where this vLLM build cannot construct the class; default)",
+    )
 
 
 def _positive(text: str) -> int:
@@ -490,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {ALIGN_CACHE_FACTOR}, as the engine; 1 = no room for cached states)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw stock vs ours vs physical capacity")
+    _add_specs_argument(p)
     p.set_defaults(func=_cmd_plan)
 
     b = sub.add_parser("backend", help="print the block pool HYBRID_ALLOC_BACKEND selects")

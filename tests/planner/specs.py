@@ -28,6 +28,9 @@ VLLM_CLASSES: dict[str, tuple[str, str, str]] = {
     "jamba": ("jamba", "JambaForCausalLM", "auto"),
     "falcon_h1": ("falcon_h1", "FalconH1ForCausalLM", "auto"),
     "zamba2": ("zamba2", "Zamba2ForCausalLM", "auto"),
+    # Read from vLLM's model classes only (hybrid_alloc.vllm_specs), no table entry.
+    "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM", "auto"),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM", "auto"),
 }
 
 

@@ -31,6 +31,7 @@ from hybrid_alloc.planner import (
     stock_block_size,
 )
 from hybrid_alloc.sizing import REGION_ALIGNMENT
+from hybrid_alloc.vllm_specs import load_model_spec
 from tests.planner.specs import (
     SLIDING_WINDOW_VARIANT,
     config_by_name,
@@ -55,6 +56,10 @@ EXPECTED: dict[str, tuple[int, int, str, int, int, int, list[int]]] = {
     "jamba-v0.1": (4, 28, "mamba1", 311_296, 311_296, 80, [4] * 8),
     "falcon-h1-7b": (44, 44, "mamba2", 1_594_368, 1_615_872, 1568, [44, 44]),
     "zamba2-2.7b": (9, 54, "mamba2", 686_848, 718_336, 48, [9] * 7),
+    "qwen3.5-27b": (16, 48, "gdn", 3_207_168, 3_268_608, 784, [16, 16, 16, 16]),
+    # Outside the table's families: read from vLLM's model classes (vllm_specs).
+    "granite-4.0-h-small": (4, 36, "mamba2", 2_147_840, 2_198_528, 528, [4] * 10),
+    "lfm2-1.2b": (6, 10, "short_conv", 8_192, 8_192, 16, [5, 5, 6]),
 }
 
 
@@ -482,7 +487,7 @@ def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_insta
 
     stock = release_sizing_module()
     cfg = config_by_name(name)
-    model, spec, L, kv = model_from_config(cfg), 1, 32768, 77 * GiB + 12345
+    model, spec, L, kv = load_model_spec(cfg), 1, 32768, 77 * GiB + 12345
     p = plan(model, kv, mamba_cache_mode=mode, num_spec_tokens=spec, max_model_len=L)
     specs = vllm_layer_specs(
         model,

