@@ -497,9 +497,10 @@ def write_report(
         f"- Total run time of the benchmark: {elapsed / 60:.1f} min "
         f"({len(cells)} cells, each on {len(layouts)} layouts: {', '.join(layouts)}).",
         "",
-        f"Columns give {names}. *finished / step* is requests finished per scheduler step "
+        f"Columns give {names}. *finished / s* is requests finished per simulated second "
         "over the whole run (all requests finish in every cell, so its ratio is the "
-        "inverse makespan ratio); *throughput* and *latency* ratios are against stock "
+        "inverse makespan ratio); *recomputed tokens* are tokens preempted requests "
+        "computed again; *throughput* and *latency* ratios are against stock "
         "(above 1 = more throughput; below 1 = lower latency). *... vs stock*: "
         f"**worse** where throughput is below {WORSE_TPUT:g}x stock's, mean latency above "
         f"{WORSE_LATENCY:g}x, or prefix hits more than {100 * WORSE_HITS:g} points lower; "
