@@ -141,6 +141,11 @@ def estimate_params(cfg: Mapping[str, Any], model: ModelSpec) -> ParamCounts:
     experts = _first_int(text, "num_experts", "num_local_experts", "n_routed_experts")
     per_token = _first_int(text, "num_experts_per_tok", "moe_topk") if experts > 1 else 0
     dense_inter = _first_int(text, "intermediate_size", "block_ff_dim", "ffn_hidden_size")
+    if text.get("block_auto_adjust_ff_dim") and dense_inter:
+        # LFM2's SwiGLU sizing: 2/3 of the configured width, scaled, rounded up to a multiple.
+        multiple = _first_int(text, "block_multiple_of") or 1
+        scaled = int(2 * dense_inter / 3 * float(text.get("block_ffn_dim_multiplier") or 1.0))
+        dense_inter = multiple * -(-scaled // multiple)
     expert_inter = _first_int(text, "moe_intermediate_size") or dense_inter
     shared_inter = _first_int(
         text,

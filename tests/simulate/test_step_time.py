@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_alloc.model_specs import AttentionLayerSpec, ModelSpec, model_from_config
-from hybrid_alloc.planner import load_config
+from hybrid_alloc.planner import load_config, load_model
 from hybrid_alloc.step_time import H100, Hardware, StepCost, estimate_params
 from tests.simulate.cases import budget
 
@@ -128,18 +128,22 @@ def test_calibration_matches_public_h100_figures() -> None:
         ("jamba-v0.1", 52, 12),
         ("falcon-h1-7b", 7.6, 7.6),
         ("zamba2-2.7b", 2.7, 2.7),
+        ("qwen3.5-27b", 27, 27),
+        ("granite-4.0-h-small", 32, 9),
+        ("lfm2-1.2b", 1.2, 1.2),
     ],
 )
 def test_parameter_estimates_are_near_the_model_cards(
     name: str, total_b: float, active_b: float
 ) -> None:
     cfg = load_config(name)
-    p = estimate_params(cfg, model_from_config(cfg))
+    model = load_model(name)  # the layers as simulate reads them (vLLM's, where installed)
+    p = estimate_params(cfg, model)
     assert p.source == "estimate"
     assert p.total / 1e9 == pytest.approx(total_b, rel=0.3)
     assert p.active / 1e9 == pytest.approx(active_b, rel=0.3)
     # A config's own figures win; the active share follows the estimate's.
-    mine = estimate_params({**cfg, "_params_b": 2 * total_b}, model_from_config(cfg))
+    mine = estimate_params({**cfg, "_params_b": 2 * total_b}, model)
     assert mine.total == pytest.approx(2e9 * total_b)
     assert mine.active / mine.total == pytest.approx(p.active / p.total)
     assert mine.source == "model card"
