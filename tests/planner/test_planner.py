@@ -38,6 +38,7 @@ from tests.planner.specs import (
     engine_config,
     model_config_view,
     release_sizing_module,
+    skip_unless_readable,
     vllm_layer_specs,
     vllm_model_class,
 )
@@ -72,6 +73,7 @@ def test_every_shipped_config_is_expected() -> None:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_config_layers_and_state(name: str) -> None:
+    skip_unless_readable(name)
     n_attn, n_mamba, kind, state0, state3, block, groups = EXPECTED[name]
     model = load_model(name)
     assert load_config(name)["_source"] == model.name
@@ -404,6 +406,7 @@ def test_too_small_budget_is_reported_not_raised() -> None:
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_shipped_configs_reach_the_physical_limit(name: str, mode: str) -> None:
+    skip_unless_readable(name)
     model = load_model(name)
     for gib in (40, 80, 160):
         p = plan(model, gib * GiB, mamba_cache_mode=mode, max_model_len=32768, align_cache_factor=1)
@@ -416,6 +419,7 @@ def test_shipped_configs_reach_the_physical_limit(name: str, mode: str) -> None:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_ours_beats_stock_when_stock_admits_max_num_seqs(name: str) -> None:
+    skip_unless_readable(name)
     model = load_model(name)
     p = plan(
         model, 80 * GiB, max_num_seqs=32, max_model_len=min(8192, model.max_position_embeddings)
@@ -435,6 +439,7 @@ def vllm_installed() -> None:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_state_bytes_match_vllm_models(name: str, vllm_installed: None) -> None:
+    skip_unless_readable(name)
     model = load_model(name)
     cls, ssm = vllm_model_class(model.family)
     for spec in (0, 2):
@@ -447,6 +452,7 @@ def test_state_bytes_match_vllm_models(name: str, vllm_installed: None) -> None:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_stock_block_size_matches_vllm_platform(name: str, vllm_installed: None) -> None:
+    skip_unless_readable(name)
     from unittest import mock
 
     from vllm.model_executor.models import ModelRegistry
@@ -483,6 +489,7 @@ def test_stock_block_size_matches_vllm_platform(name: str, vllm_installed: None)
 def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_installed: None) -> None:
     """vLLM's own grouping, pool size and capacity formula (in the module the installed
     release defines them: ``kv_cache_utils`` in 0.32, ``kv_cache_planning`` in 0.33)."""
+    skip_unless_readable(name)
     from vllm.v1.core import kv_cache_utils
 
     stock = release_sizing_module()
@@ -513,6 +520,7 @@ def test_stock_pool_matches_vllm_kv_cache_utils(name: str, mode: str, vllm_insta
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_cli_plan_each_shipped_config(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    skip_unless_readable(name)
     assert main(["plan", name, "--memory", "40GiB", "--max-model-len", "32768"]) == 0
     out = capsys.readouterr().out
     assert "stock vLLM 0.32" in out and "physical limit" in out and "static / physical" in out

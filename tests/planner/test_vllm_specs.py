@@ -17,6 +17,14 @@ from hybrid_alloc.planner import load_config, plan
 
 pytest.importorskip("vllm")
 
+from hybrid_alloc.vllm_specs import platform_ready
+
+needs_platform = pytest.mark.skipif(
+    not platform_ready(),
+    reason="vLLM has no device platform here (0.33's CUDA wheel without a GPU; "
+    "VLLM_TARGET_DEVICE=cpu gives it one): the fallback test covers this case",
+)
+
 GiB = 1 << 30
 TABLE_FAMILIES = [
     "qwen3.5-0.8b",
@@ -36,6 +44,7 @@ def _specs() -> Any:
     return vllm_specs
 
 
+@needs_platform
 @pytest.mark.parametrize("name", TABLE_FAMILIES)
 def test_vllm_reads_the_table_families_alike(name: str) -> None:
     """vLLM's model class registers the table's layers (same kinds, heads, windows, state
@@ -67,6 +76,7 @@ def test_vllm_reads_the_table_families_alike(name: str) -> None:
     assert fp8.mamba_layers == ours.mamba_layers
 
 
+@needs_platform
 def test_granite_4_h_from_its_config_alone() -> None:
     """IBM Granite 4.0-H-Small (granitemoehybrid, which the table refuses): 36 Mamba2 layers
     of vLLM's shape and 4 attention layers where its layer_types put them."""
@@ -89,6 +99,7 @@ def test_granite_4_h_from_its_config_alone() -> None:
     assert p.elastic is not None and p.elastic.tokens > 0
 
 
+@needs_platform
 def test_lfm2_short_convolutions() -> None:
     """LiquidAI LFM2-1.2B: a state kind outside the table's (short convolutions, a conv
     window and no SSM state) alongside 6 attention layers."""
@@ -112,6 +123,7 @@ def test_lfm2_short_convolutions() -> None:
     assert p.ours.feasible and p.ours.tokens > p.stock.tokens_at_max_num_seqs
 
 
+@needs_platform
 @pytest.mark.parametrize("name", ["granite-4.0-h-small", "lfm2-1.2b"])
 def test_plan_and_simulate_new_architectures(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -138,6 +150,7 @@ def test_plan_and_simulate_new_architectures(
         assert sum(result["leaked_blocks"].values()) == 0
 
 
+@needs_platform
 def test_architectures_vllm_cannot_serve_are_named(tmp_path: Path) -> None:
     vs = _specs()
     unknown = {
@@ -186,3 +199,18 @@ def test_plan_without_vllm_uses_the_table(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert "layers from hybrid_alloc's config table" in run.stdout
+
+
+def test_without_a_platform_the_table_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where vLLM cannot build a config (no device platform), 'auto' reads the table for
+    its families and names the way out for the others."""
+    from hybrid_alloc import vllm_specs as vs
+
+    monkeypatch.setattr(vs, "platform_ready", lambda: False)
+    vs._model_from_vllm_cached.cache_clear()
+    cfg = load_config("nemotron-h-8b")
+    assert vs.load_model_spec(cfg, "auto") == model_from_config(cfg)
+    with pytest.raises(vs.ModelBuildError, match="VLLM_TARGET_DEVICE=cpu"):
+        vs.load_model_spec(load_config("granite-4.0-h-small"), "auto")
+    with pytest.raises(vs.ModelBuildError, match="no device platform"):
+        vs.load_model_spec(cfg, "vllm")
