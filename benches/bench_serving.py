@@ -2,16 +2,19 @@
 the shipped configs, through vLLM's own scheduler.
 
 For every shipped config at 16 / 40 / 80 GiB of KV memory, Mamba 'none' and 'align' modes,
-and each generated trace (chat, long documents, prefix sharing), runs the serving
+and each generated trace (chat, long documents, prefix sharing, reasoning, agentic
+sessions), runs the serving
 simulator (:mod:`hybrid_alloc.integration.simulator`: vLLM's real ``Scheduler``, no model,
 no GPU) on the same seeded trace for each layout: the KV-cache config vLLM builds
 (**stock**), the one this package builds with a static split sized up front for
 ``max_num_seqs`` requests (**per-group**), and per-group pools over one shared byte budget
-(**elastic**). Writes ``benches/SERVING.md`` and ``benches/serving.png``.
+(**elastic**). Every step is charged what it computes (``--time-model h100``, the
+default: :mod:`hybrid_alloc.step_time`) or 25 ms (``--time-model fixed``). Writes
+``benches/SERVING.md`` and ``benches/serving.png``.
 
     python benches/bench_serving.py [--out-dir benches] [--configs a,b] [--memories 16,40,80]
-        [--modes none,align] [--traces chat,long,long-burst,prefix]
-        [--layouts stock,per-group,elastic] [--json FILE] [--scale X]
+        [--modes none,align] [--traces chat,long,long-burst,prefix,reasoning,agentic]
+        [--layouts stock,per-group,elastic] [--json FILE] [--scale X] [--time-model h100]
 
 Where the Mamba state of 256 requests takes more than half of the KV memory in the static
 split's pools (static sizing then over-subscribes its fixed pools, or refuses), the cell is
@@ -46,6 +49,9 @@ MODES = ("none", "align")
 MAX_NUM_SEQS = 256
 FALLBACK_SEQS = (192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
 STEP_MS = 25.0
+TIME_MODEL = "h100"
+"""How steps are charged (``--time-model``): ``h100``, each step what it computes
+(:mod:`hybrid_alloc.step_time`); ``fixed``, :data:`STEP_MS` each."""
 MAX_NUM_BATCHED_TOKENS = 8192
 
 BASE = "stock"
@@ -56,7 +62,7 @@ LABELS = {"stock": "stock", "per-group": "static split", "elastic": "elastic"}
 SHORT = {"stock": "stock", "per-group": "static", "elastic": "elastic"}
 
 # Verdict of a layout against stock (:func:`_verdict`). Worse: throughput (finished
-# requests per step) below WORSE_TPUT x stock's, mean latency above WORSE_LATENCY x, or
+# requests per simulated second) below WORSE_TPUT x stock's, mean latency above WORSE_LATENCY x, or
 # prefix hits more than WORSE_HITS (a fraction of prompt tokens) below stock's. Better (and
 # not worse): throughput above BETTER_TPUT x, latency below BETTER_LATENCY x, or prefix hits
 # more than BETTER_HITS above.
@@ -80,6 +86,9 @@ TRACES: dict[str, tuple[str, int, float]] = {
     "long": ("long", 32, 4.0),
     "long-burst": ("long", 96, 1000.0),
     "prefix": ("prefix", 200, 40.0),
+    # Long heavy-tailed outputs in waves (issue 28), agent sessions re-sending their context.
+    "reasoning": ("reasoning", 160, 1.0),
+    "agentic": ("agentic", 240, 4.0),
 }
 
 
@@ -109,9 +118,9 @@ class Ratios:
     """One layout against another in one cell."""
 
     tput: float
-    """Finished requests per step, layout / base."""
+    """Finished requests per simulated second, layout / base."""
     latency: float
-    """Mean latency in steps, layout / base."""
+    """Mean latency in simulated seconds, layout / base."""
     hits: float
     """Prefix-cache hit rate (share of prompt tokens), layout minus base."""
     cpu: float | None
@@ -148,6 +157,7 @@ def _settings(memory_gib: int, mode: str, seqs: int, max_len: int) -> Any:
         max_num_seqs=seqs,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_model_len=max_len,
+        time_model=TIME_MODEL,
         step_ms=STEP_MS,
     )
 
@@ -253,10 +263,10 @@ def _ok(cell: Cell, *names: str) -> bool:
 
 def _ratios(cell: Cell, layout: str, base: str = BASE) -> Ratios:
     b, r = cell.layout(base), cell.layout(layout)
-    lat_b = b.latency_steps.get("mean", 0.0)
+    lat_b = b.latency_s.get("mean", 0.0)
     return Ratios(
-        tput=r.finished_per_step / b.finished_per_step if b.finished_per_step else 1.0,
-        latency=r.latency_steps.get("mean", 0.0) / lat_b if lat_b else 1.0,
+        tput=r.finished_per_s / b.finished_per_s if b.finished_per_s else 1.0,
+        latency=r.latency_s.get("mean", 0.0) / lat_b if lat_b else 1.0,
         hits=r.prefix_hit_rate - b.prefix_hit_rate,
         cpu=r.cpu_us_per_step / b.cpu_us_per_step if b.cpu_us_per_step else None,
     )
@@ -349,13 +359,14 @@ def _header(layouts: Sequence[str]) -> list[str]:
     return [
         "model",
         "GiB",
-        f"finished / step ({names})",
+        f"finished / s ({names})",
         *(f"throughput, {SHORT[n]} / stock" for n in compared),
         "mean running",
         "preemptions",
+        "recomputed tokens",
         "prefix hits (tokens)",
-        "TTFT, steps (mean)",
-        "latency, steps (mean)",
+        "TTFT, s (mean)",
+        "latency, s (mean)",
         *(f"latency, {SHORT[n]} / stock" for n in compared),
         "sched. CPU us / step",
         *(
@@ -391,14 +402,15 @@ def cell_rows(cells: Sequence[Cell], layouts: Sequence[str]) -> list[list[str]]:
             [
                 name,
                 f"{c.memory_gib}",
-                _each(c, layouts, lambda r: f"{r.finished_per_step:.3f}"),
-                *(_versus(c, n, lambda r: r.finished_per_step) for n in compared),
+                _each(c, layouts, lambda r: f"{r.finished_per_s:.3f}"),
+                *(_versus(c, n, lambda r: r.finished_per_s) for n in compared),
                 _each(c, layouts, lambda r: f"{r.mean_running:.0f}"),
                 _each(c, layouts, lambda r: f"{r.preemptions}"),
+                _each(c, layouts, lambda r: f"{r.recomputed_tokens:,}"),
                 _each(c, layouts, lambda r: f"{100 * r.prefix_hit_rate:.1f}%"),
-                _each(c, layouts, lambda r: f"{r.ttft_steps.get('mean', 0):.0f}"),
-                _each(c, layouts, lambda r: f"{r.latency_steps.get('mean', 0):.0f}"),
-                *(_versus(c, n, lambda r: r.latency_steps.get("mean", 0.0)) for n in compared),
+                _each(c, layouts, lambda r: f"{r.ttft_s.get('mean', 0):.2f}"),
+                _each(c, layouts, lambda r: f"{r.latency_s.get('mean', 0):.1f}"),
+                *(_versus(c, n, lambda r: r.latency_s.get("mean", 0.0)) for n in compared),
                 _each(c, layouts, lambda r: f"{r.cpu_us_per_step:,.0f}"),
                 *cpus,
                 *(_marked(_verdict(c, n)) for n in compared),
@@ -422,7 +434,7 @@ def _describe_layout(name: str) -> str:
         "elastic": (
             "**elastic** per-group pools (layout `elastic`: the same per-group Rust pools "
             "over one shared byte budget, lent to a group in slabs when it needs them and "
-            "returned when its blocks in a slab are free; scheduler side only)"
+            "returned when its blocks in a slab are free; the engine's default)"
         ),
     }.get(name, f"**{name}**")
 
@@ -461,9 +473,17 @@ def write_report(
         f"{MAX_NUM_BATCHED_TOKENS:,}, block size 16, chunked prefill, `max_model_len` "
         "min(32,768, the model's context); 'none' = no prefix caching, 'align' = prefix "
         "caching (vLLM's Mamba 'align' mode). Sync scheduler.",
-        f"- Time: arrivals in simulated seconds, {STEP_MS:g} ms per scheduler step "
-        "whatever the batch (a fixed step time: the comparison is of what the pools "
-        "admit, not of kernel speed). Latency and TTFT are in steps.",
+        (
+            "- Time: arrivals in simulated seconds; every step costs what it computes on "
+            "one H100 (`hybrid_alloc.step_time`: a fixed part plus the larger of its FLOPs "
+            "and its bytes moved: prompt chunks, recomputed tokens of preempted requests, "
+            "decodes, KV context and Mamba states read). Throughput, TTFT and latency are "
+            "in simulated seconds."
+            if TIME_MODEL != "fixed"
+            else f"- Time: arrivals in simulated seconds, {STEP_MS:g} ms per scheduler step "
+            "whatever the batch (a fixed step time: the comparison is of what the pools "
+            "admit, not of kernel speed)."
+        ),
         "- Traces (seeded, `hybrid_alloc.traces`; token IDs derived so shared prefixes "
         "hash equal; every layout of a cell runs the same requests):",
     ]
@@ -477,9 +497,10 @@ def write_report(
         f"- Total run time of the benchmark: {elapsed / 60:.1f} min "
         f"({len(cells)} cells, each on {len(layouts)} layouts: {', '.join(layouts)}).",
         "",
-        f"Columns give {names}. *finished / step* is requests finished per scheduler step "
+        f"Columns give {names}. *finished / s* is requests finished per simulated second "
         "over the whole run (all requests finish in every cell, so its ratio is the "
-        "inverse makespan ratio); *throughput* and *latency* ratios are against stock "
+        "inverse makespan ratio); *recomputed tokens* are tokens preempted requests "
+        "computed again; *throughput* and *latency* ratios are against stock "
         "(above 1 = more throughput; below 1 = lower latency). *... vs stock*: "
         f"**worse** where throughput is below {WORSE_TPUT:g}x stock's, mean latency above "
         f"{WORSE_LATENCY:g}x, or prefix hits more than {100 * WORSE_HITS:g} points lower; "
@@ -517,7 +538,7 @@ def write_report(
         "",
         "Top rows: "
         + ", ".join(f"{SHORT[n]} / stock" for n in compared)
-        + " throughput (finished requests per step) for every cell, one row per layout "
+        + " throughput (finished requests per simulated second) for every cell, one row per layout "
         "and mode, bars drawn from 1.0 (models on the x axis, one bar per memory size; "
         "the max_num_seqs 256 cell, else the re-run at fewer sequences; a missing bar is a "
         "refused cell). Bottom: running requests and KV memory held over simulated time for "
@@ -1030,7 +1051,7 @@ def plot(cells: Sequence[Cell], traces: Sequence[str], path: Path, layouts: Sequ
             )
             ax.set_title(f"{LABELS[layout]}: {kind}, mode '{mode}'", fontsize=9)
             if col == 0:
-                ax.set_ylabel(f"{SHORT[layout]} / stock\nfinished per step", fontsize=8)
+                ax.set_ylabel(f"{SHORT[layout]} / stock\nfinished per s", fontsize=8)
             ax.grid(axis="y", alpha=0.3)
             if col == 0 and mode == modes[0]:
                 ax.legend(fontsize=7)
@@ -1079,7 +1100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="trace sizes times this (smoke runs)"
     )
+    parser.add_argument(
+        "--time-model",
+        choices=("h100", "fixed"),
+        default="h100",
+        help="h100: each step costs what it computes; fixed: 25 ms a step (default h100)",
+    )
     args = parser.parse_args(argv)
+    global TIME_MODEL
+    TIME_MODEL = args.time_model
     configs = [c for c in args.configs.split(",") if c]
     memories = [int(m) for m in args.memories.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]

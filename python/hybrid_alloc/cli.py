@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from hybrid_alloc.model_specs import model_from_config
 from hybrid_alloc.planner import (
     ALIGN_CACHE_FACTOR,
     MAMBA_CACHE_MODES,
@@ -28,6 +27,8 @@ from hybrid_alloc.planner import (
     shipped_configs,
 )
 from hybrid_alloc.settings import selected_backend
+from hybrid_alloc.step_time import TIME_MODELS
+from hybrid_alloc.vllm_specs import SPEC_SOURCES, describe_source, load_model_spec
 
 _UNITS = {
     "": 1,
@@ -98,7 +99,11 @@ def report(p: Plan, out: TextIO | None = None) -> None:
     """Print the plan: settings, a table per layout, and the capacity summary."""
     out = out or sys.stdout  # looked up at call time, so redirected stdout is honoured
     m, prm, stock, ours, phys = p.model, p.params, p.stock, p.ours, p.physical
-    print(f"model     {m.name} ({m.family}): {len(m.layers)} KV layers = {m.describe()}", file=out)
+    print(
+        f"model     {m.name} ({m.family}): {len(m.layers)} KV layers = {m.describe()} "
+        f"({describe_source(m)})",
+        file=out,
+    )
     print(
         f"settings  KV memory {format_bytes(prm.kv_bytes)}, max_num_seqs {prm.max_num_seqs}, "
         f"{prm.num_spec_tokens} speculative tokens, mamba_cache_mode {prm.mamba_cache_mode}, "
@@ -259,8 +264,9 @@ def plot_plans(plans: Sequence[tuple[str, Plan]], path: str | Path, title: str) 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
-        model = model_from_config(
+        model = load_model_spec(
             cfg,
+            args.specs,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
@@ -334,7 +340,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             platform=args.platform,
+            specs=args.specs,
+            time_model=args.time_model,
             step_ms=args.step_ms,
+            params_b=args.params,
+            active_params_b=args.active_params,
             token_seed=args.seed,
         )
         result = simulate(args.config, settings, trace, layouts=args.layouts)
@@ -357,14 +367,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser(
         "simulate",
-        help="run vLLM's scheduler on stock vs per-group pools with a request trace (needs vLLM)",
+        help="run vLLM's scheduler on stock vLLM vs this package's pools (default: elastic "
+        "per-group pools, what the engine runs) with a request trace (needs vLLM)",
+        description="Run vLLM's own scheduler, KV-cache manager and block pools, no model, "
+        "on a request trace, once per layout: stock vLLM and, by default, elastic per-group "
+        "pools (the engine's default with this package installed). Each step costs what it "
+        "computes on one H100 (--time-model h100: prompt chunks, recompute after "
+        "preemption, decodes, KV context and Mamba states read) or a fixed --step-ms "
+        "(--time-model fixed, for scheduler-cost comparisons).",
     )
     s.add_argument("config", help="config.json, a folder holding one, or a shipped config name")
     s.add_argument("--memory", type=parse_memory, default=parse_memory("24GiB"))
     s.add_argument(
         "--trace",
         default="chat",
-        help="chat, long, prefix (generated, seeded) or a JSONL file (default chat)",
+        help="chat, long, prefix, reasoning, agentic (generated, seeded) or a JSONL file "
+        "(default chat)",
     )
     s.add_argument("--num-requests", type=_positive, default=None, help="trace size")
     s.add_argument("--rate", type=float, default=None, help="arrivals per second")
@@ -375,18 +393,53 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     s.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
     s.add_argument("--max-model-len", type=_positive, default=None)
     s.add_argument("--block-size", type=_positive, default=16)
-    s.add_argument("--step-ms", type=float, default=25.0, help="simulated ms per step")
+    s.add_argument(
+        "--time-model",
+        choices=TIME_MODELS,
+        default="h100",
+        help="h100: a step costs what it computes on one H100 (default); fixed: --step-ms",
+    )
+    s.add_argument(
+        "--step-ms", type=float, default=25.0, help="ms per step with --time-model fixed"
+    )
+    s.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="parameters in billions for the time model (default: the config's model-card "
+        "figure, else estimated from it)",
+    )
+    s.add_argument(
+        "--active-params",
+        type=float,
+        default=None,
+        help="parameters a token uses, in billions (MoE; default as --params)",
+    )
     s.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
     s.add_argument(
         "--layouts",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
-        default=["stock", "per-group"],
-        help="comma-separated: stock, per-group, elastic (default stock, per-group; "
-        "elastic: per-group pools over one byte budget, scheduler side only)",
+        default=["stock", "elastic"],
+        help="comma-separated: stock (vLLM's own pool), elastic (per-group pools over one "
+        "byte budget: the engine's default with this package installed), per-group (the "
+        "static split, HYBRID_ALLOC_ELASTIC_POOLS=0); default stock,elastic",
     )
+    _add_specs_argument(s)
     s.add_argument("--json", metavar="FILE.json", help="write the results (with time series)")
     s.add_argument("--plot", metavar="FILE.png", help="running requests and KV usage over time")
     s.set_defaults(func=_cmd_simulate)
+
+
+def _add_specs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--specs",
+        choices=SPEC_SOURCES,
+        default="auto",
+        help="where layer kinds and state shapes come from: vllm (vLLM's own model class "
+        "on the meta device: any hybrid architecture vLLM serves), table (hybrid_alloc's "
+        "parser of six families, no vLLM needed), auto (vllm where installed, the table "
+        "where not or where this vLLM build cannot construct the class; default)",
+    )
 
 
 def _positive(text: str) -> int:
@@ -456,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {ALIGN_CACHE_FACTOR}, as the engine; 1 = no room for cached states)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw stock vs ours vs physical capacity")
+    _add_specs_argument(p)
     p.set_defaults(func=_cmd_plan)
 
     b = sub.add_parser("backend", help="print the block pool HYBRID_ALLOC_BACKEND selects")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 AttentionKind = Literal["full", "sliding", "chunked"]
-MambaKind = Literal["gdn", "mamba1", "mamba2"]
+MambaKind = Literal["gdn", "mamba1", "mamba2", "short_conv"]
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -63,10 +63,11 @@ class AttentionLayerSpec:
 
 @dataclass(frozen=True)
 class MambaLayerSpec:
-    """One Mamba / GDN layer's recurrent state: a conv window plus an SSM (temporal) state.
+    """One Mamba / GDN layer's recurrent state: a conv window plus an SSM (temporal) state
+    (a short-convolution layer keeps the conv window only: ``temporal_shape`` empty).
 
-    The conv window of GDN and Mamba2 layers grows by one row per speculative token (vLLM
-    passes ``num_spec`` into the conv shape); Mamba1's does not.
+    The conv window of GDN, Mamba2 and short-conv layers grows by one row per speculative
+    token (vLLM passes ``num_spec`` into the conv shape); Mamba1's does not.
     """
 
     kind: MambaKind
@@ -83,8 +84,9 @@ class MambaLayerSpec:
         """Bytes of one request's state in this layer (one Mamba page, unpadded)."""
         rows = self.conv_kernel - 1 + (num_spec_tokens if self.conv_grows_with_spec else 0)
         conv = rows * self.conv_dim * self.conv_dtype_bytes
-        temporal = math.prod(self.temporal_shape) * self.temporal_dtype_bytes
-        return conv + temporal
+        if not self.temporal_shape:
+            return conv
+        return conv + math.prod(self.temporal_shape) * self.temporal_dtype_bytes
 
 
 LayerSpec = AttentionLayerSpec | MambaLayerSpec
@@ -98,6 +100,9 @@ class ModelSpec:
     family: str
     layers: tuple[LayerSpec, ...]
     max_position_embeddings: int
+    layer_names: tuple[str, ...] | None = None
+    """vLLM's names of the layers (read from vLLM's model, :mod:`hybrid_alloc.vllm_specs`),
+    in vLLM's registration order; None: parsed from the config by the table below."""
 
     @property
     def attention_layers(self) -> tuple[AttentionLayerSpec, ...]:
@@ -358,6 +363,11 @@ _FAMILIES = {
     "falcon_h1": "falcon_h1",
     "zamba2": "zamba2",
 }
+
+
+def family_name(model_type: str) -> str:
+    """The family name this module gives a ``model_type`` (itself where it knows none)."""
+    return _FAMILIES.get(model_type, model_type)
 
 
 def model_from_config(

@@ -65,7 +65,6 @@ from hybrid_alloc.model_specs import (
     LayerSpec,
     MambaLayerSpec,
     ModelSpec,
-    model_from_config,
 )
 from hybrid_alloc.sizing import ALIGN_CACHE_FACTOR as ALIGN_CACHE_FACTOR
 from hybrid_alloc.sizing import cdiv as cdiv
@@ -112,9 +111,13 @@ def load_config(source: str | Path) -> dict[str, Any]:
     )
 
 
-def load_model(source: str | Path, **dtypes: str) -> ModelSpec:
-    """:func:`load_config` then :func:`~hybrid_alloc.model_specs.model_from_config`."""
-    return model_from_config(load_config(source), **dtypes)
+def load_model(source: str | Path, specs: str = "auto", **dtypes: str) -> ModelSpec:
+    """:func:`load_config` then :func:`~hybrid_alloc.vllm_specs.load_model_spec`: the
+    layers from vLLM's own model class where vLLM is installed (``specs='auto'``), else
+    from :func:`~hybrid_alloc.model_specs.model_from_config`'s table."""
+    from hybrid_alloc.vllm_specs import load_model_spec
+
+    return load_model_spec(load_config(source), specs, **dtypes)
 
 
 # --------------------------------------------------------------------------- groups

@@ -7,7 +7,9 @@ shared-prefix id.
 
 **Token IDs** are derived, not stored. Every request reads its tokens (prompt, then output)
 from deterministic *streams*: position ``i`` of a request comes from the stream of its
-``prefix_id`` while ``i < prefix_len``, and from the request's own stream after that. A
+``system_id`` while ``i < system_len`` (a system prompt shared across prefixes), then from
+the stream of its ``prefix_id`` while ``i < prefix_len``, and from the request's own stream
+after that. A
 stream is a sequence of bytes seeded by ``(token_seed, stream name)``, produced in fixed
 4096-token chunks so that any prefix of a stream is the same whatever length is asked for.
 Two requests that share a ``prefix_id`` therefore have equal tokens (and equal block hashes)
@@ -19,11 +21,13 @@ contains the previous answer. Token IDs lie in 0..255 (the scheduler only hashes
 
 **JSONL** (:func:`write_jsonl`, :func:`read_jsonl`): one JSON object per line with keys
 ``arrival`` (seconds, float), ``prompt_len`` and ``output_len`` (positive integers), and
-optional ``id`` (string, default ``r<line number>``), ``prefix_id`` (string) and
-``prefix_len`` (integer >= 0). A first line with the key ``_trace`` carries the generator's
-name and parameters and is skipped on reading (so are blank lines).
+optional ``id`` (string, default ``r<line number>``), ``prefix_id`` (string),
+``prefix_len`` (integer >= 0), ``system_id`` (string) and ``system_len`` (integer >= 0).
+A first line with the key ``_trace`` carries the generator's name and parameters and is
+skipped on reading (so are blank lines).
 
-**Generators** (all seeded, arrivals a Poisson process of ``rate`` requests per second):
+**Generators** (all seeded; arrivals a Poisson process of ``rate`` requests per second
+unless said otherwise):
 
 * :func:`chat_trace`: independent chat turns; prompt lengths log-normal with median 256
   and sigma 1.0 (clipped to 16..4096), output lengths log-normal with median 200 and
@@ -37,7 +41,22 @@ name and parameters and is skipped on reading (so are blank lines).
   answers median 200; each turn re-sends the whole conversation so far), the next turn
   arriving 5 to 20 seconds (uniform) after the previous one. Arrivals are open-loop: if
   the simulated answer to turn ``k`` is not finished when turn ``k + 1`` arrives, that part
-  of the prompt is simply not cached yet.
+  of the prompt is simply not cached yet;
+* :func:`reasoning_trace`: a reasoning model's traffic; requests arrive in *waves* of
+  ``wave_size`` (default 32; arrivals spread uniformly over the first 2 seconds of a wave,
+  a wave every ``wave_size / rate`` seconds); questions log-normal (median 384, sigma 1.0,
+  16..8192 tokens); 40% of the requests put their question after one of 2 system prompts
+  (log-uniform 1536..3072 tokens); outputs heavy-tailed: log-normal with median 2,400 and
+  sigma 0.8, clipped to 1,024..16,384 tokens (mean about 3.3k; a few percent reach 10k);
+* :func:`agentic_trace`: agent sessions that call tools; a session runs 3 to 12 turns
+  (uniform); every session starts with one of 2 tool-definition system prompts
+  (log-uniform 2048..6144 tokens, shared by all sessions, ``system_id``) and a task
+  (median 512); each turn's answer is a short tool call or reply (log-normal, median 160,
+  sigma 0.8, 16..2048), and the next turn re-sends the whole session so far plus the tool's
+  result (log-normal, median 768, sigma 1.0, 16..16384), so the context grows turn by turn
+  and every turn's prompt begins with the previous turn's tokens; the next turn arrives 1
+  to 6 seconds (uniform) after the previous one (open-loop, as :func:`prefix_trace`);
+  sessions start as a Poisson process of ``rate / mean turns`` per second.
 """
 
 from __future__ import annotations
@@ -51,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TRACE_KINDS = ("chat", "long", "prefix")
+TRACE_KINDS = ("chat", "long", "prefix", "reasoning", "agentic")
 STREAM_CHUNK = 4096
 """Tokens per generated chunk of a stream (streams are prefix-stable across lengths)."""
 
@@ -68,6 +87,9 @@ class TraceRequest:
         prefix_id: name of the shared token stream the request starts with (None: none).
         prefix_len: tokens read from the shared stream (None with a ``prefix_id``: the
             whole request, output included; ignored without one).
+        system_id: name of a system-prompt stream read before the ``prefix_id`` stream
+            (None: none); lets requests of different prefixes (agent sessions) share it.
+        system_len: tokens read from the system stream (0 without a ``system_id``).
     """
 
     arrival: float
@@ -76,6 +98,8 @@ class TraceRequest:
     request_id: str
     prefix_id: str | None = None
     prefix_len: int | None = None
+    system_id: str | None = None
+    system_len: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.arrival, (int, float)) and math.isfinite(self.arrival)):
@@ -92,15 +116,30 @@ class TraceRequest:
             or self.prefix_len < 0
         ):
             raise ValueError(f"request {self.request_id!r}: prefix_len must be an int >= 0")
+        if (
+            not isinstance(self.system_len, int)
+            or isinstance(self.system_len, bool)
+            or self.system_len < 0
+        ):
+            raise ValueError(f"request {self.request_id!r}: system_len must be an int >= 0")
+        if self.system_len and self.system_id is None:
+            raise ValueError(f"request {self.request_id!r}: system_len needs a system_id")
         if not self.request_id:
             raise ValueError("request_id must not be empty")
 
+    def system_tokens(self) -> int:
+        """Tokens (prompt and output) read from the system stream."""
+        if self.system_id is None:
+            return 0
+        return min(self.system_len, self.prompt_len + self.output_len)
+
     def shared_tokens(self) -> int:
-        """Tokens (prompt and output) read from the shared stream."""
+        """Tokens (prompt and output) read from the system and shared streams."""
         total = self.prompt_len + self.output_len
         if self.prefix_id is None:
-            return 0
-        return total if self.prefix_len is None else min(self.prefix_len, total)
+            return self.system_tokens()
+        shared = total if self.prefix_len is None else min(self.prefix_len, total)
+        return max(shared, self.system_tokens())
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -113,6 +152,9 @@ class TraceRequest:
             out["prefix_id"] = self.prefix_id
             if self.prefix_len is not None:
                 out["prefix_len"] = self.prefix_len
+        if self.system_id is not None:
+            out["system_id"] = self.system_id
+            out["system_len"] = self.system_len
         return out
 
 
@@ -186,11 +228,15 @@ class TokenStreams:
     def request_tokens(self, request: TraceRequest) -> tuple[list[int], list[int]]:
         """(prompt token IDs, output token IDs) of ``request``."""
         total = request.prompt_len + request.output_len
+        system = request.system_tokens()
         shared = request.shared_tokens()
         seq: list[int] = []
-        if shared:
+        if system:
+            assert request.system_id is not None
+            seq = self.tokens("system:" + request.system_id, 0, system)
+        if shared > system:
             assert request.prefix_id is not None
-            seq = self.tokens("prefix:" + request.prefix_id, 0, shared)
+            seq += self.tokens("prefix:" + request.prefix_id, system, shared)
         if shared < total:
             seq += self.tokens("request:" + request.request_id, shared, total)
         return seq[: request.prompt_len], seq[request.prompt_len :]
@@ -314,12 +360,130 @@ def prefix_trace(
     return Trace("prefix", tuple(out), params)
 
 
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def reasoning_trace(
+    num_requests: int = 160,
+    rate: float = 1.0,
+    seed: int = 0,
+    wave_size: int = 32,
+    num_system_prompts: int = 2,
+    shared_fraction: float = 0.4,
+) -> Trace:
+    """A reasoning model's traffic (see the module doc): long heavy-tailed outputs, shared
+    system prompts, requests arriving in waves of ``wave_size``, ``rate`` per second on
+    average."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    if wave_size < 1:
+        raise ValueError(f"wave_size must be positive, got {wave_size}")
+    rng = random.Random(f"reasoning/{seed}")
+    systems = [_log_uniform(rng, 1536, 3072) for _ in range(num_system_prompts)]
+    period = wave_size / rate
+    out: list[TraceRequest] = []
+    for i in range(num_requests):
+        wave, slot = divmod(i, wave_size)
+        # The wave's first request opens it; the others follow within 2 seconds.
+        arrival = wave * period + (0.0 if slot == 0 else rng.uniform(0.0, min(2.0, period)))
+        question = _lognormal(rng, 384, 1.0, 16, 8192)
+        output = _lognormal(rng, 2400, 0.8, 1024, 16384)
+        if rng.random() < shared_fraction:
+            k = rng.randrange(num_system_prompts)
+            request = TraceRequest(
+                arrival=arrival,
+                prompt_len=systems[k] + question,
+                output_len=output,
+                request_id=f"reason-{i}",
+                prefix_id=f"system-{k}",
+                prefix_len=systems[k],
+            )
+        else:
+            request = TraceRequest(arrival, question, output, f"reason-{i}")
+        out.append(request)
+    out.sort(key=lambda r: r.arrival)
+    params = {
+        "num_requests": num_requests,
+        "rate": rate,
+        "seed": seed,
+        "wave_size": wave_size,
+        "num_system_prompts": num_system_prompts,
+        "shared_fraction": shared_fraction,
+    }
+    return Trace("reasoning", tuple(out), params)
+
+
+def agentic_trace(
+    num_requests: int = 240,
+    rate: float = 4.0,
+    seed: int = 0,
+    num_system_prompts: int = 2,
+    turns: tuple[int, int] = (3, 12),
+    tool_time: tuple[float, float] = (1.0, 6.0),
+) -> Trace:
+    """Agent sessions whose context grows turn by turn and is re-sent as the next turn's
+    prefix (see the module doc); ``rate`` requests (turns) per second on average."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    low, high = turns
+    if not 1 <= low <= high:
+        raise ValueError(f"turns must be 1 <= low <= high, got {turns}")
+    rng = random.Random(f"agentic/{seed}")
+    systems = [_log_uniform(rng, 2048, 6144) for _ in range(num_system_prompts)]
+    session_rate = rate / ((low + high) / 2)
+    out: list[TraceRequest] = []
+    budget = num_requests
+    session = 0
+    start = 0.0
+    while budget > 0:
+        k = rng.randrange(num_system_prompts)
+        count = min(budget, rng.randint(low, high))
+        context = systems[k] + _lognormal(rng, 512, 0.8, 16, 4096)
+        t = start
+        for turn in range(count):
+            answer = _lognormal(rng, 160, 0.8, 16, 2048)
+            out.append(
+                TraceRequest(
+                    arrival=t,
+                    prompt_len=context,
+                    output_len=answer,
+                    request_id=f"agent{session}-turn{turn}",
+                    prefix_id=f"session-{session}",
+                    system_id=f"tools-{k}",
+                    system_len=systems[k],
+                )
+            )
+            # The next turn re-sends everything so far plus the tool's result.
+            context += answer + _lognormal(rng, 768, 1.0, 16, 16384)
+            t += rng.uniform(*tool_time)
+        session += 1
+        budget -= count
+        start += rng.expovariate(session_rate)
+    out.sort(key=lambda r: r.arrival)
+    params = {
+        "num_requests": num_requests,
+        "rate": rate,
+        "seed": seed,
+        "num_system_prompts": num_system_prompts,
+        "turns": list(turns),
+        "tool_time": list(tool_time),
+    }
+    return Trace("agentic", tuple(out), params)
+
+
 def make_trace(
     kind: str, num_requests: int | None = None, rate: float | None = None, seed: int = 0
 ) -> Trace:
     """One of :data:`TRACE_KINDS` with its defaults unless ``num_requests`` / ``rate`` are
     given."""
-    generators = {"chat": chat_trace, "long": long_trace, "prefix": prefix_trace}
+    generators = {
+        "chat": chat_trace,
+        "long": long_trace,
+        "prefix": prefix_trace,
+        "reasoning": reasoning_trace,
+        "agentic": agentic_trace,
+    }
     if kind not in generators:
         raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(TRACE_KINDS)}")
     kwargs: dict[str, Any] = {"seed": seed}
@@ -345,7 +509,8 @@ def write_jsonl(trace: Trace, path: str | Path) -> Path:
 def _request_from_json(obj: Any, index: int) -> TraceRequest:
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
-    unknown = set(obj) - {"id", "arrival", "prompt_len", "output_len", "prefix_id", "prefix_len"}
+    known = {"id", "arrival", "prompt_len", "output_len", "prefix_id", "prefix_len"}
+    unknown = set(obj) - known - {"system_id", "system_len"}
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)}")
     for key in ("arrival", "prompt_len", "output_len"):
@@ -354,6 +519,9 @@ def _request_from_json(obj: Any, index: int) -> TraceRequest:
     prefix_id = obj.get("prefix_id")
     if prefix_id is not None and not isinstance(prefix_id, str):
         prefix_id = str(prefix_id)
+    system_id = obj.get("system_id")
+    if system_id is not None and not isinstance(system_id, str):
+        system_id = str(system_id)
     return TraceRequest(
         arrival=float(obj["arrival"]),
         prompt_len=obj["prompt_len"],
@@ -361,6 +529,8 @@ def _request_from_json(obj: Any, index: int) -> TraceRequest:
         request_id=str(obj.get("id", f"r{index}")),
         prefix_id=prefix_id,
         prefix_len=obj.get("prefix_len"),
+        system_id=system_id,
+        system_len=obj.get("system_len", 0),
     )
 
 

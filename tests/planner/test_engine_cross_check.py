@@ -29,11 +29,13 @@ from hybrid_alloc.planner import (
     shipped_configs,
     spec_groups,
 )
+from hybrid_alloc.vllm_specs import load_model_spec
 from tests.planner.specs import (
     SLIDING_WINDOW_VARIANT,
     config_by_name,
     engine_config,
     pin_cpu_platform,
+    skip_unless_readable,
     vllm_layer_specs,
 )
 
@@ -139,8 +141,10 @@ def _assert_same_pools(
 @pytest.mark.parametrize("name", sorted(shipped_configs()))
 @pytest.mark.parametrize("mode", MODES)
 def test_shipped_configs(name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_unless_readable(name)
     cfg = load_config(name)
-    model = model_from_config(cfg)
+    # Layers as the CLI reads them: vLLM's own model class (the table where it cannot).
+    model = load_model_spec(cfg)
     L, kv, seqs = 32768, 160 * GiB + 12345, 64
     p = plan(model, kv, mamba_cache_mode=mode, max_model_len=L, max_num_seqs=seqs)
     specs = vllm_layer_specs(model, mode=mode, max_len=L, block=16, cfg=cfg)
@@ -161,8 +165,9 @@ def test_shipped_configs_with_speculation(
     speculative token (and Mamba2 convolution states grow with them); the engine sizing
     and the planner agree on every pool, and the Mamba pools hold exactly
     ``max_num_seqs x`` what a running request holds (``1 + spec`` states in 'none' mode)."""
+    skip_unless_readable(name)
     cfg = load_config(name)
-    model = model_from_config(cfg)
+    model = load_model_spec(cfg)
     L, kv, seqs = 32768, 160 * GiB + 12345, 64
     p = plan(
         model, kv, mamba_cache_mode=mode, max_model_len=L, max_num_seqs=seqs, num_spec_tokens=spec

