@@ -78,6 +78,7 @@ def test_plugin_refuses_at_startup(monkeypatch: pytest.MonkeyPatch, env: dict[st
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+
     def state() -> tuple[object, ...]:
         return (
             integration.installed(),

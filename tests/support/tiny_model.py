@@ -27,6 +27,7 @@ FAMILIES = (
     "qwen3_5",
     "falcon_h1",
     "zamba2",
+    "granitemoehybrid",
     "qwen3_next_8",
     "qwen3_next_mtp",
 )
@@ -187,6 +188,42 @@ def _zamba2_config() -> Any:
     )
 
 
+def _granitemoehybrid_config() -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        num_hidden_layers=8,
+        # IBM Granite 4.0-H: Mamba2 layers with an attention layer after every few (here
+        # 6 Mamba2 + 2 attention); every layer has a MoE block and a shared MLP.
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # head dimension 128 / 2 = 64
+        position_embedding_type="nope",  # no RoPE, as Granite 4.0-H
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,  # per expert
+        shared_intermediate_size=128,
+        mamba_n_heads=4,  # head dimension 2 * 128 / 4 = 64
+        mamba_n_groups=1,
+        mamba_d_state=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        # Granite 4.0-H's multipliers and tied embeddings
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=6.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
 _MIXER_OUTPUTS = (
     "linear_attn.out_proj.weight",  # Qwen3-Next Gated DeltaNet
     "mixer.out_proj.weight",  # NemotronH Mamba2
@@ -219,6 +256,22 @@ _FAMILY_RULES: dict[str, tuple[_Rule, ...]] = {
         # the shared attention block's output enters each hybrid layer through `linear`
         ((".linear.weight",), "mul", 30.0),
         (("mamba.in_proj.weight",), "mul", 3.0),
+    ),
+    # Granite's multipliers with tied embeddings: the residual stream is 12 x the token's
+    # embedding plus 0.22 x each mixer's output, and the tied LM head reads the embedding
+    # back, so at stock scale every next token is the last prompt token (64 of 64 positions,
+    # and the same token after two different 300-token prompts ending alike). Larger Mamba2
+    # outputs and sharper (attention_multiplier 1/128, no q/k norm), larger attention make
+    # the output depend on the context: 7 of 192 positions repeat their token; replacing
+    # tokens 16-80 of a 300-token prompt changes 16 of the next 16 predictions with the
+    # attention outputs zeroed and 13-14 with the Mamba2 outputs zeroed (transformers,
+    # tests/engine/test_tiny_model.py).
+    "granitemoehybrid": (
+        *_MAMBA2_RULES,
+        (("mamba.in_proj.weight",), "mul", 3.0),
+        (("mamba.out_proj.weight",), "mul", 10.0),
+        (("self_attn.q_proj.weight", "self_attn.k_proj.weight"), "mul", 4.0),
+        (("self_attn.o_proj.weight",), "mul", 10.0),
     ),
     # Without these the attention layers alone carried the context: with their outputs
     # zeroed, replacing tokens 16-80 of a 300-token prompt changed none of the next-token
@@ -286,6 +339,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_5": _qwen3_5_config,
     "falcon_h1": _falcon_h1_config,
     "zamba2": _zamba2_config,
+    "granitemoehybrid": _granitemoehybrid_config,
 }
 
 
