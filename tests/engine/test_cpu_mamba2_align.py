@@ -257,10 +257,20 @@ def test_vllm_cpu_scan_ignores_the_request(fixed: Any) -> None:
     assert states.shape[0] == 2 < len(layout[0]) - 1
 
 
-def test_bad_chunk_layout_is_refused(fixed: Any) -> None:
+@pytest.mark.parametrize(
+    ("layout", "named"),
+    [
+        (([0, 8, 16], [0, 0], [1], [-1]), "row 0"),  # 4 tokens of the row in no chunk
+        (([0, 12, 8, 20], [0, 0, 0], [2], [-1]), "decrease"),
+        (([0, 8, 20], [0, 1], [1], [-1]), "names row 1 of 1"),
+    ],
+)
+def test_bad_chunk_layout_is_refused(fixed: Any, layout: Any, named: str) -> None:
+    """Chunk metadata that does not tile the rows is refused, naming what is wrong, before
+    anything is written."""
     inputs = scan_inputs(20, 1, 0)
-    with pytest.raises(RuntimeError, match="row 0"):
-        varlen(fixed.scan, inputs, 8, ([0, 8, 16], [0, 0], [1], [-1]), [0, 20], True)
+    with pytest.raises(RuntimeError, match=named):
+        varlen(fixed.scan, inputs, 8, layout, [0, 20], True)
 
 
 # ------------------------------------------------------------------ the whole checkpoint

@@ -67,6 +67,8 @@ def _chunk_layout(
         raise RuntimeError(
             f"CPU Mamba2 chunk states: {len(bounds) - 1} chunks but {len(owners)} chunk owners"
         )
+    if any(b < a for a, b in itertools.pairwise(bounds)):
+        raise RuntimeError(f"CPU Mamba2 chunk states: chunk bounds {bounds} decrease")
     per_row: list[list[int]] = [[] for _ in range(batch)]
     for chunk, row in enumerate(owners):
         if not 0 <= row < batch:
