@@ -12,6 +12,9 @@
 * ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX``: on vLLM 0.32 CPU platforms, whether the plugin corrects
   the GDN speculative-decoding conv history (default on; :mod:`hybrid_alloc.integration.
   cpu_gdn_spec`). Applied with both backends, so they run the same kernel.
+* ``HYBRID_ALLOC_CPU_MAMBA2_ALIGN_FIX``: on vLLM 0.32 CPU platforms, whether the plugin
+  gives the Mamba2 layers the mid-prefill checkpoints of 'align' mode (prefix caching)
+  (default on; :mod:`hybrid_alloc.integration.cpu_mamba2_align`). Both backends.
 
 Any other ``HYBRID_ALLOC_*`` variable is refused at startup (:func:`check_environment`): a
 misspelt switch would otherwise leave its setting on the default without a word.
@@ -31,12 +34,19 @@ _TRUE = ("", "1", "true", "yes", "on")  # unset or empty: on
 _FALSE = ("0", "false", "no", "off")
 
 CPU_GDN_SPEC_FIX_ENV_VAR = "HYBRID_ALLOC_CPU_GDN_SPEC_FIX"
+CPU_MAMBA2_ALIGN_FIX_ENV_VAR = "HYBRID_ALLOC_CPU_MAMBA2_ALIGN_FIX"
 
 ELASTIC_ENV_VAR = "HYBRID_ALLOC_ELASTIC_POOLS"
 ELASTIC_DEFAULT = True
 
 PREFIX = "HYBRID_ALLOC_"
-SWITCHES = (ENV_VAR, PER_GROUP_ENV_VAR, ELASTIC_ENV_VAR, CPU_GDN_SPEC_FIX_ENV_VAR)
+SWITCHES = (
+    ENV_VAR,
+    PER_GROUP_ENV_VAR,
+    ELASTIC_ENV_VAR,
+    CPU_GDN_SPEC_FIX_ENV_VAR,
+    CPU_MAMBA2_ALIGN_FIX_ENV_VAR,
+)
 # Read by the project's own scripts and tests (setup_env.sh, test.sh, conftest), not by the
 # plugin; they reach engine processes started by the tests, so they are not refused.
 TOOLING = (
@@ -99,6 +109,16 @@ def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(CPU_GDN_SPEC_FIX_ENV_VAR, environ)
 
 
+def cpu_mamba2_align_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HYBRID_ALLOC_CPU_MAMBA2_ALIGN_FIX`` leaves the CPU Mamba2 checkpoint fix on
+    (unset: on).
+
+    Raises:
+        ValueError: a value that is neither true-ish nor false-ish.
+    """
+    return _switch(CPU_MAMBA2_ALIGN_FIX_ENV_VAR, environ)
+
+
 def _switch(name: str, environ: Mapping[str, str] | None, default: bool = True) -> bool:
     env = os.environ if environ is None else environ
     raw = env.get(name, "")
@@ -135,3 +155,4 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     per_group_pools_enabled(env)
     elastic_pools_enabled(env)
     cpu_gdn_spec_fix_enabled(env)
+    cpu_mamba2_align_fix_enabled(env)

