@@ -327,15 +327,33 @@ impl ByteBudget {
     /// another group with [`ByteBudget::release`] first).
     pub fn grant(&mut self, g: GroupIndex) -> Result<Option<SlabId>, PoolError> {
         self.check_group(g)?;
-        let Some(s) = self.unowned.pop() else {
+        let Some(s) = self.next_unowned() else {
             return Ok(None);
         };
+        self.grant_slab(g, s)?;
+        Ok(Some(s))
+    }
+
+    /// Lend group `g` the unowned slab `s` (the one a plan chose).
+    pub fn grant_slab(&mut self, g: GroupIndex, s: SlabId) -> Result<(), PoolError> {
+        self.check_group(g)?;
+        self.check_slab(s)?;
+        let Some(at) = self.unowned.iter().rposition(|&u| u == s) else {
+            return Err(PoolError::InvalidArgument(format!(
+                "group {g} cannot be lent slab {s}: {}",
+                match self.owner(s) {
+                    Some(o) => format!("group {o} owns it"),
+                    None => "it holds the null blocks".to_string(),
+                }
+            )));
+        };
+        self.unowned.remove(at);
         self.owner[s as usize] = Some(g as u16);
         self.owned[g] += 1;
         self.idle[g] += 1;
         self.mark_idle(s);
         self.changes[g].granted += 1;
-        Ok(Some(s))
+        Ok(())
     }
 
     /// Group `g` gives slab `s` back. The slab must be `g`'s and hold no live page (its
