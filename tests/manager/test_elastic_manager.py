@@ -141,7 +141,7 @@ def run(d: Driver, seed: int, phases: list[tuple[int, int]]) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 10_000), num_slabs=st.integers(6, 14))
+@given(seed=st.integers(0, 10_000), num_slabs=st.integers(6, 8))
 def test_admitted_steps_get_their_blocks(layout: str, seed: int, num_slabs: int) -> None:
     """Short requests, long ones, short again, through a budget that cannot hold them all
     at once: every admitted step gets its blocks (vLLM would raise otherwise), the budget
@@ -150,6 +150,8 @@ def test_admitted_steps_get_their_blocks(layout: str, seed: int, num_slabs: int)
     run(d, seed, [(20, 30), (150, 8), (20, 30)])
     e = d.pools.elastic
     assert e is not None
+    # The budget could not hold them all: steps were refused (and then served).
+    assert d.refused > 0, "no step was refused: the budget never ran short"
     assert all(e.num_live_pages(i) == 0 for i in range(len(d.pools)))
     assert d.mgr.reset_prefix_cache()
 
