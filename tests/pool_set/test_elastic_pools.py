@@ -230,7 +230,7 @@ class ElasticMachine(CountingMachine):
         self.account(_state(self.elastic, self.pools))
 
 
-ElasticMachine.TestCase.settings = settings(max_examples=budget(300), stateful_step_count=50)
+ElasticMachine.TestCase.settings = settings(max_examples=budget(400), stateful_step_count=50)
 test_elastic_machine = ElasticMachine.TestCase
 
 
