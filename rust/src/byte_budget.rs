@@ -1,5 +1,5 @@
 //! One KV-cache byte budget shared by the pools of several KV-cache groups: which group
-//! owns which memory, which blocks pin it, and whether a set of requests fits. Accounting
+//! owns which memory, which blocks pin it, and which slabs are idle. Accounting
 //! only; the bytes themselves are the caller's (torch tensors on the device).
 //!
 //! The budget is `num_slabs` slabs of `slab_bytes` each, laid end to end. A group owns a
@@ -14,13 +14,10 @@
 //! that fit whole in a slab however the slab is aligned to the group's pages. A page that
 //! straddles two slabs is never used; [`ByteBudget::slab_waste_bytes`] is what that costs.
 //!
-//! Admission ([`ByteBudget::fits`]) is exact. Free pages in a slab that also holds live pages
-//! can serve only the slab's owner; a fully free slab (unowned, or owned with no live page,
-//! its pages at most cached) can serve any group, once. So a set of needs fits if and only
-//! if the slabs the groups lack, after using their partly used slabs, number no more than
-//! the fully free slabs. A pool that admits by this rule must, when it allocates, use free
-//! pages of partly used slabs before it breaks into a fully free slab
-//! ([`ByteBudget::is_partly_used`]); otherwise a slab counted for another group is gone.
+//! The budget does not decide what to lend: the allocation policy and a step's admission
+//! are [`crate::elastic`]'s (a step is planned on a virtual copy of the budget and its
+//! pools, then reserved), and they call [`ByteBudget::grant_slab`], [`ByteBudget::release`],
+//! [`ByteBudget::pin`] and [`ByteBudget::unpin`] here.
 //!
 //! Every operation checks its whole input first: on `Err` nothing has changed.
 
@@ -265,12 +262,6 @@ impl ByteBudget {
             .sum()
     }
 
-    /// Whether `page`'s slab holds live pages: a pool takes such pages first.
-    pub fn is_partly_used(&self, g: GroupIndex, page: u32) -> bool {
-        self.slab_of(g, page)
-            .is_some_and(|s| self.owner(s) == Some(g) && self.live[s as usize] > 0)
-    }
-
     /// Group `g`'s slabs, in ID order.
     pub fn owned_slabs(&self, g: GroupIndex) -> impl Iterator<Item = SlabId> + '_ {
         let g = g as u16;
@@ -295,47 +286,37 @@ impl ByteBudget {
         }
     }
 
-    /// Slabs the groups lack for `needs[g]` pages each, beyond the free pages of their
-    /// partly used slabs (which serve nobody else).
-    pub fn slabs_needed(&self, needs: &[u64]) -> Result<u64, PoolError> {
-        if needs.len() != self.num_groups() {
-            return Err(PoolError::InvalidArgument(format!(
-                "needs name {} groups, the byte budget has {}",
-                needs.len(),
-                self.num_groups()
-            )));
-        }
-        let mut slabs = 0u64;
-        for (g, &need) in needs.iter().enumerate() {
-            let short = need.saturating_sub(self.partly_used_free_pages(g));
-            let per_slab = u64::from(self.pages_per_slab[g]);
-            if short > 0 && per_slab == 0 {
-                return Ok(u64::MAX);
-            }
-            slabs = slabs.saturating_add(short.div_ceil(per_slab.max(1)));
-        }
-        Ok(slabs)
-    }
-
-    /// Whether every group can have `needs[g]` more pages at once (evicting cached pages as
-    /// needed): exact, see the module documentation.
-    pub fn fits(&self, needs: &[u64]) -> Result<bool, PoolError> {
-        Ok(self.slabs_needed(needs)? <= u64::from(self.num_fully_free()))
-    }
-
     /// Lend group `g` an unowned slab; `None` when there is none (take an idle slab of
     /// another group with [`ByteBudget::release`] first).
     pub fn grant(&mut self, g: GroupIndex) -> Result<Option<SlabId>, PoolError> {
         self.check_group(g)?;
-        let Some(s) = self.unowned.pop() else {
+        let Some(s) = self.next_unowned() else {
             return Ok(None);
         };
+        self.grant_slab(g, s)?;
+        Ok(Some(s))
+    }
+
+    /// Lend group `g` the unowned slab `s` (the one a plan chose).
+    pub fn grant_slab(&mut self, g: GroupIndex, s: SlabId) -> Result<(), PoolError> {
+        self.check_group(g)?;
+        self.check_slab(s)?;
+        let Some(at) = self.unowned.iter().rposition(|&u| u == s) else {
+            return Err(PoolError::InvalidArgument(format!(
+                "group {g} cannot be lent slab {s}: {}",
+                match self.owner(s) {
+                    Some(o) => format!("group {o} owns it"),
+                    None => "it holds the null blocks".to_string(),
+                }
+            )));
+        };
+        self.unowned.remove(at);
         self.owner[s as usize] = Some(g as u16);
         self.owned[g] += 1;
         self.idle[g] += 1;
         self.mark_idle(s);
         self.changes[g].granted += 1;
-        Ok(Some(s))
+        Ok(())
     }
 
     /// Group `g` gives slab `s` back. The slab must be `g`'s and hold no live page (its
@@ -502,13 +483,6 @@ impl ByteBudget {
 mod tests {
     use super::*;
 
-    fn lcg(state: &mut u64) -> u64 {
-        *state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        *state >> 33
-    }
-
     #[test]
     fn rejects_bad_geometry() {
         assert!(ByteBudget::new(0, 4, &[1]).is_err());
@@ -566,7 +540,6 @@ mod tests {
         assert_eq!(s, 1, "lowest slab first");
         let page = b.pages_in(0, s).start;
         b.pin(0, page).unwrap();
-        assert!(b.is_partly_used(0, page + 1));
         assert_eq!(b.partly_used_free_pages(0), 3);
         // Live memory is not handed back, and group 1 cannot touch group 0's slab.
         let err = b.release(0, s).unwrap_err().to_string();
@@ -628,76 +601,6 @@ mod tests {
         assert!(b.pin(1, 3).is_err());
         assert!(b.pin(0, 1_000_000).is_err());
         assert!(b.unpin(1, b.pages_in(1, s).start).is_err());
-        assert!(b.fits(&[1]).is_err());
         assert_eq!(before, format!("{b:?}"));
-    }
-
-    /// Whether the needs fit, by trying every way of giving the fully free slabs to the
-    /// groups (the plain model `fits` is checked against).
-    fn fits_by_search(b: &ByteBudget, needs: &[u64]) -> bool {
-        let free = b.num_fully_free();
-        let groups = b.num_groups();
-        let own: Vec<u64> = (0..groups).map(|g| b.partly_used_free_pages(g)).collect();
-        // Each of the `free` slabs goes to one group or to none.
-        let choices = (groups + 1) as u64;
-        let total = choices.pow(free);
-        (0..total).any(|mut code| {
-            let mut got = own.clone();
-            for _ in 0..free {
-                let g = (code % choices) as usize;
-                code /= choices;
-                if g < groups {
-                    got[g] += u64::from(b.pages_per_slab(g));
-                }
-            }
-            (0..groups).all(|g| got[g] >= needs[g])
-        })
-    }
-
-    #[test]
-    fn admission_matches_an_exhaustive_search() {
-        let mut rng = 7u64;
-        for _ in 0..300 {
-            let pages = [8i64, 24, 40];
-            let mut b = ByteBudget::new(96, 6, &pages).unwrap();
-            // A random state: grants, pins, unpins, releases.
-            for _ in 0..30 {
-                let g = (lcg(&mut rng) % 3) as usize;
-                match lcg(&mut rng) % 4 {
-                    0 => {
-                        let _ = b.grant(g).unwrap();
-                    }
-                    1 | 2 => {
-                        let slabs: Vec<_> = b.owned_slabs(g).collect();
-                        if let Some(&s) = slabs.get(lcg(&mut rng) as usize % slabs.len().max(1)) {
-                            let r = b.pages_in(g, s);
-                            let page = r.start + (lcg(&mut rng) as u32 % r.len() as u32);
-                            if b.live(s) < b.pages_per_slab(g) {
-                                b.pin(g, page).unwrap();
-                            }
-                        }
-                    }
-                    _ => {
-                        let slabs: Vec<_> = b.owned_slabs(g).collect();
-                        if let Some(&s) = slabs.first() {
-                            if b.live(s) > 0 {
-                                b.unpin(g, b.pages_in(g, s).start).unwrap();
-                            } else {
-                                b.release(g, s).unwrap();
-                            }
-                        }
-                    }
-                }
-                b.check_invariants().unwrap();
-            }
-            for _ in 0..10 {
-                let needs: Vec<u64> = (0..3).map(|_| lcg(&mut rng) % 14).collect();
-                assert_eq!(
-                    b.fits(&needs).unwrap(),
-                    fits_by_search(&b, &needs),
-                    "needs {needs:?} in {b:?}"
-                );
-            }
-        }
     }
 }

@@ -75,13 +75,26 @@ pub fn adopt(budget: &ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result
     Ok(())
 }
 
-/// Pass group `g`'s recorded live changes on to the budget.
+/// Pass group `g`'s recorded live changes on to the budget, all or none: if one is refused
+/// (the budget and the pool disagree), those made are undone and the pool keeps every
+/// change for a later sync.
 pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
-    for (page, live) in pool.take_live_changes() {
+    let changes = pool.take_live_changes();
+    let apply = |budget: &mut ByteBudget, page: BlockId, live: bool| {
         if live {
-            budget.pin(g, page)?;
+            budget.pin(g, page)
         } else {
-            budget.unpin(g, page)?;
+            budget.unpin(g, page)
+        }
+    };
+    for (done, &(page, live)) in changes.iter().enumerate() {
+        if let Err(e) = apply(budget, page, live) {
+            for &(page, live) in changes[..done].iter().rev() {
+                // The exact inverse of a change just made cannot be refused.
+                apply(budget, page, !live)?;
+            }
+            pool.restore_live_changes(changes);
+            return Err(e);
         }
     }
     Ok(())
@@ -103,11 +116,12 @@ pub fn check_usable(
     Ok(())
 }
 
-/// The counts of the policy for one group: unowned slabs to lend, idle slabs to take back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What the policy lends one group for one allocation: unowned slabs, then idle slabs of
+/// other groups taken back, each in the order they are lent.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Lending {
-    unowned: usize,
-    reclaimed: usize,
+    unowned: Vec<SlabId>,
+    reclaimed: Vec<SlabId>,
 }
 
 /// The virtual state [`plan`] walks.
@@ -183,10 +197,7 @@ impl Virtual<'_> {
         let n = n - from_spare;
         let empty = self.walk(g, n, true, false);
         let mut fresh = 0usize;
-        let mut lending = Lending {
-            unowned: 0,
-            reclaimed: 0,
-        };
+        let mut lending = Lending::default();
         if n > empty {
             let unowned: Vec<SlabId> = self
                 .budget
@@ -195,9 +206,9 @@ impl Virtual<'_> {
                 .take((n - empty).div_ceil(per_slab))
                 .collect();
             self.unowned_used += unowned.len();
-            lending.unowned = unowned.len();
             fresh += unowned.len() * per_slab;
-            self.lent.extend(unowned);
+            self.lent.extend(unowned.iter().copied());
+            lending.unowned = unowned;
         }
         let available = fresh + self.free[g];
         if n > available {
@@ -212,7 +223,6 @@ impl Virtual<'_> {
                 let short = n - available - victims.len() * per_slab;
                 return Err(short.min(n));
             }
-            lending.reclaimed = victims.len();
             fresh += victims.len() * per_slab;
             // Their pages leave their owners' virtual queues (see `gone`).
             for &s in &victims {
@@ -222,7 +232,8 @@ impl Virtual<'_> {
                 }
             }
             self.reclaimed.extend(victims.iter().copied());
-            self.lent.extend(victims);
+            self.lent.extend(victims.iter().copied());
+            lending.reclaimed = victims;
         }
         // The pool pops fresh pages first (they were pushed to the front), then its queue.
         self.walk(g, n.saturating_sub(fresh), false, true);
@@ -231,7 +242,13 @@ impl Virtual<'_> {
     }
 }
 
-fn new_virtual<'a>(budget: &'a ByteBudget, pools: &'a [&'a GroupPool]) -> Virtual<'a> {
+/// The virtual state at the start of a plan. `reserved`: slabs a step admitted earlier has
+/// been lent or counts on (see [`reserve_steps`]): never idle while that step runs.
+fn new_virtual<'a>(
+    budget: &'a ByteBudget,
+    pools: &'a [&'a GroupPool],
+    reserved: &HashSet<SlabId>,
+) -> Virtual<'a> {
     Virtual {
         budget,
         pools,
@@ -239,7 +256,7 @@ fn new_virtual<'a>(budget: &'a ByteBudget, pools: &'a [&'a GroupPool]) -> Virtua
         free: pools.iter().map(|p| p.num_free()).collect(),
         cursor: pools.iter().map(|p| p.queue().front()).collect(),
         pinned: HashMap::new(),
-        lent: HashSet::new(),
+        lent: reserved.clone(),
         reclaimed: HashSet::new(),
         unowned_used: 0,
         spare: vec![0; pools.len()],
@@ -272,18 +289,37 @@ pub fn plan(
     }
     let hits: Vec<&[BlockId]> = asks.iter().map(|a| a.hits.as_slice()).collect();
     let news: Vec<(GroupIndex, usize)> = asks.iter().map(|a| a.new).enumerate().collect();
-    plan_steps(budget, pools, &hits, &news)
+    plan_steps(budget, pools, &hits, &news, &HashSet::new())
 }
 
 /// [`plan`] for a step whose allocations come in a given order: `hits[g]` are taken first
 /// (all groups), then `news` in order, each `(group, new pages)` (a pool several KV-cache
-/// groups share is asked once per group, in the managers' order).
+/// groups share is asked once per group, in the managers' order). `reserved`: slabs a
+/// step being served holds (see [`reserve_steps`]).
 pub fn plan_steps(
     budget: &ByteBudget,
     pools: &[&GroupPool],
     hits: &[&[BlockId]],
     news: &[(GroupIndex, usize)],
+    reserved: &HashSet<SlabId>,
 ) -> Result<Result<(), Shortfall>, PoolError> {
+    Ok(walk_steps(budget, pools, hits, news, reserved)?.map(|_| ()))
+}
+
+/// What a planned step lends: per allocation of `news`, its group and [`Lending`]; and
+/// the slabs the step counts on (lent, or holding pages it takes).
+struct StepLending {
+    lendings: Vec<(GroupIndex, Lending)>,
+    holds: HashSet<SlabId>,
+}
+
+fn walk_steps(
+    budget: &ByteBudget,
+    pools: &[&GroupPool],
+    hits: &[&[BlockId]],
+    news: &[(GroupIndex, usize)],
+    reserved: &HashSet<SlabId>,
+) -> Result<Result<StepLending, Shortfall>, PoolError> {
     check_pools(budget, pools.len())?;
     if hits.len() != pools.len() {
         return Err(PoolError::InvalidArgument(format!(
@@ -300,7 +336,7 @@ pub fn plan_steps(
     for &(g, _) in news {
         budget.check_group(g)?;
     }
-    let mut v = new_virtual(budget, pools);
+    let mut v = new_virtual(budget, pools, reserved);
     for (g, ids) in hits.iter().enumerate() {
         for &p in ids.iter() {
             if p != NULL_BLOCK_ID && pools[g].ref_cnt(p) == 0 && v.taken[g].insert(p) {
@@ -311,55 +347,109 @@ pub fn plan_steps(
             }
         }
     }
+    let mut lendings = Vec::with_capacity(news.len());
     for &(g, new) in news {
-        if let Err(missing) = v.allocate(g, new) {
-            return Ok(Err(Shortfall { group: g, missing }));
+        match v.allocate(g, new) {
+            Ok(lending) => lendings.push((g, lending)),
+            Err(missing) => return Ok(Err(Shortfall { group: g, missing })),
         }
     }
-    Ok(Ok(()))
+    let mut holds: HashSet<SlabId> = v.lent;
+    holds.extend(v.pinned.keys().copied());
+    Ok(Ok(StepLending { lendings, holds }))
+}
+
+/// A slab taken back from group `group`: all its pages (the budget holds them now, so
+/// their `unpin_blocks` watchers must be told they are reused) and those whose cached
+/// keys were evicted (metrics: evicted blocks), in page order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenBack {
+    pub group: GroupIndex,
+    pub pages: Vec<BlockId>,
+    pub evicted: Vec<BlockId>,
+}
+
+/// Carry out `lending` for group `g`: grant its unowned slabs, take its idle slabs back
+/// from their owners, and lend each to `g`.
+fn apply_lending(
+    budget: &mut ByteBudget,
+    pools: &mut [&mut GroupPool],
+    g: GroupIndex,
+    lending: &Lending,
+    removed: &mut impl FnMut(GroupIndex, BlockId, &[u8]),
+    taken: &mut Vec<TakenBack>,
+) -> Result<(), PoolError> {
+    for &s in &lending.unowned {
+        budget.grant_slab(g, s)?;
+        lend(budget, &mut *pools[g], g, s)?;
+    }
+    for &victim in &lending.reclaimed {
+        let h = budget.owner(victim).ok_or_else(|| {
+            PoolError::InvalidArgument(format!("the policy took back slab {victim}, unowned"))
+        })?;
+        taken.push(take_back(budget, &mut *pools[h], h, victim, removed)?);
+        budget.grant_slab(g, victim)?;
+        lend(budget, &mut *pools[g], g, victim)?;
+    }
+    Ok(())
 }
 
 /// Make group `g`'s next `n` pops of its free queue follow the policy: lend it the unowned
 /// slabs and take back the idle slabs the policy calls for (evicted keys go to `removed`
-/// with their group). Refused, with nothing changed, when the policy runs short.
+/// with their group; the slabs taken back are returned). Slabs in `reserved` are never
+/// taken back. Refused, with nothing changed, when the policy runs short.
 pub fn prepare(
     budget: &mut ByteBudget,
     pools: &mut [&mut GroupPool],
     g: GroupIndex,
     n: usize,
+    reserved: &HashSet<SlabId>,
     mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
-) -> Result<(), PoolError> {
+) -> Result<Vec<TakenBack>, PoolError> {
     check_pools(budget, pools.len())?;
     budget.check_group(g)?;
     let lending = {
         let view: Vec<&GroupPool> = pools.iter().map(|p| &**p).collect();
-        let mut v = new_virtual(budget, &view);
+        let mut v = new_virtual(budget, &view, reserved);
         v.allocate(g, n)
             .map_err(|missing| PoolError::NotEnoughFree {
                 requested: n,
                 free: n - missing,
             })?
     };
-    for _ in 0..lending.unowned {
-        let s = budget.grant(g)?.ok_or_else(|| {
-            PoolError::InvalidArgument("the policy counted an unowned slab that is gone".into())
-        })?;
-        lend(budget, &mut *pools[g], g, s)?;
+    let mut taken = Vec::new();
+    apply_lending(budget, pools, g, &lending, &mut removed, &mut taken)?;
+    Ok(taken)
+}
+
+/// Admission as a reservation: plan the step (`hits` taken first, then `news` in order,
+/// as [`plan_steps`]) and, if it fits, lend every slab the plan lends at once. The slabs
+/// the step counts on join `reserved` until the step ends, so no allocation of the step
+/// can take them from another of its groups: once every group holds its memory, each
+/// group's pops come from its own queue and the step gets its pages in whatever order its
+/// groups allocate. A refused step changes nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn reserve_steps(
+    budget: &mut ByteBudget,
+    pools: &mut [&mut GroupPool],
+    hits: &[&[BlockId]],
+    news: &[(GroupIndex, usize)],
+    reserved: &mut HashSet<SlabId>,
+    mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
+) -> Result<Result<Vec<TakenBack>, Shortfall>, PoolError> {
+    let planned = {
+        let view: Vec<&GroupPool> = pools.iter().map(|p| &**p).collect();
+        match walk_steps(budget, &view, hits, news, reserved)? {
+            Ok(p) => p,
+            Err(short) => return Ok(Err(short)),
+        }
+    };
+    let mut taken = Vec::new();
+    for (g, lending) in &planned.lendings {
+        apply_lending(budget, pools, *g, lending, &mut removed, &mut taken)?;
     }
-    for _ in 0..lending.reclaimed {
-        let victim = budget
-            .idle_slabs()
-            .find(|&s| budget.owner(s) != Some(g))
-            .ok_or_else(|| {
-                PoolError::InvalidArgument("the policy counted an idle slab that is gone".into())
-            })?;
-        let h = budget.owner(victim).unwrap_or(g);
-        take_back(budget, &mut *pools[h], h, victim, &mut removed)?;
-        let s = budget.grant(g)?;
-        debug_assert_eq!(s, Some(victim));
-        lend(budget, &mut *pools[g], g, victim)?;
-    }
-    Ok(())
+    reserved.extend(planned.holds);
+    Ok(Ok(taken))
 }
 
 /// Free slab `s`'s pages into `g`'s queue: they were held by the budget.
@@ -384,7 +474,7 @@ fn take_back(
     h: GroupIndex,
     s: SlabId,
     removed: &mut impl FnMut(GroupIndex, BlockId, &[u8]),
-) -> Result<(), PoolError> {
+) -> Result<TakenBack, PoolError> {
     if budget.live(s) > 0 {
         return Err(PoolError::InvalidArgument(format!(
             "slab {s} of group {h} has blocks in use"
@@ -393,12 +483,20 @@ fn take_back(
     // Pending changes of `h` belong to the budget before the slab changes hands.
     sync(budget, h, pool)?;
     let pages: Vec<BlockId> = budget.pages_in(h, s).collect();
+    let mut evicted = Vec::new();
     for &p in &pages {
-        pool.evict(p, |id, k| removed(h, id, k))?;
+        if pool.evict(p, |id, k| removed(h, id, k))? > 0 {
+            evicted.push(p);
+        }
     }
     pool.touch(&pages)?;
     pool.take_live_changes();
-    budget.release(h, s)
+    budget.release(h, s)?;
+    Ok(TakenBack {
+        group: h,
+        pages,
+        evicted,
+    })
 }
 
 /// Blocks of group `g`'s pool that the budget holds (pages of slabs `g` does not own).
@@ -463,6 +561,8 @@ pub fn check_invariants(budget: &ByteBudget, pools: &[&GroupPool]) -> Result<(),
 pub struct ElasticPools {
     budget: ByteBudget,
     pools: Vec<GroupPool>,
+    /// Slabs the step being served holds (see [`reserve_steps`]); empty between steps.
+    reserved: HashSet<SlabId>,
 }
 
 impl ElasticPools {
@@ -483,7 +583,11 @@ impl ElasticPools {
             adopt(&budget, g, &mut pool)?;
             pools.push(pool);
         }
-        Ok(ElasticPools { budget, pools })
+        Ok(ElasticPools {
+            budget,
+            pools,
+            reserved: HashSet::new(),
+        })
     }
 
     pub fn budget(&self) -> &ByteBudget {
@@ -504,6 +608,43 @@ impl ElasticPools {
 
     pub fn plan(&self, asks: &[GroupAsk]) -> Result<Result<(), Shortfall>, PoolError> {
         plan(&self.budget, &self.refs(), asks)
+    }
+
+    /// [`plan_steps`] on these pools.
+    pub fn plan_steps(
+        &self,
+        hits: &[&[BlockId]],
+        news: &[(GroupIndex, usize)],
+    ) -> Result<Result<(), Shortfall>, PoolError> {
+        plan_steps(&self.budget, &self.refs(), hits, news, &self.reserved)
+    }
+
+    /// [`reserve_steps`] on these pools: a step admitted here gets its pages whatever the
+    /// order its groups then allocate in, until [`end_step`](Self::end_step).
+    pub fn reserve(
+        &mut self,
+        hits: &[&[BlockId]],
+        news: &[(GroupIndex, usize)],
+        removed: impl FnMut(GroupIndex, BlockId, &[u8]),
+    ) -> Result<Result<Vec<TakenBack>, Shortfall>, PoolError> {
+        let mut refs: Vec<&mut GroupPool> = self.pools.iter_mut().collect();
+        reserve_steps(
+            &mut self.budget,
+            &mut refs,
+            hits,
+            news,
+            &mut self.reserved,
+            removed,
+        )
+    }
+
+    /// The reserved step is over: its slabs may be taken back again.
+    pub fn end_step(&mut self) {
+        self.reserved.clear();
+    }
+
+    pub fn pool_mut(&mut self, g: GroupIndex) -> &mut GroupPool {
+        &mut self.pools[g]
     }
 
     fn check_all(&self, g: GroupIndex, ids: &[BlockId], op: &'static str) -> Result<(), PoolError> {
@@ -538,7 +679,14 @@ impl ElasticPools {
     ) -> Result<Vec<BlockId>, PoolError> {
         {
             let mut refs: Vec<&mut GroupPool> = self.pools.iter_mut().collect();
-            prepare(&mut self.budget, &mut refs, g, n, &mut removed)?;
+            prepare(
+                &mut self.budget,
+                &mut refs,
+                g,
+                n,
+                &self.reserved,
+                &mut removed,
+            )?;
         }
         let got = self.pools[g].allocate(n, |id, k| removed(g, id, k))?;
         sync(&mut self.budget, g, &mut self.pools[g])?;
@@ -796,7 +944,7 @@ mod tests {
         let e = ElasticPools::new(72, 4, &[8, 72], true, 16).unwrap();
         let refs = e.refs();
         let plan = |news: &[(GroupIndex, usize)]| {
-            plan_steps(e.budget(), &refs, &[&[], &[]], news)
+            plan_steps(e.budget(), &refs, &[&[], &[]], news, &HashSet::new())
                 .unwrap()
                 .is_ok()
         };
@@ -841,7 +989,7 @@ mod tests {
                 let fits = {
                     let refs = e.refs();
                     let no_hits: Vec<&[BlockId]> = vec![&[]; groups];
-                    plan_steps(e.budget(), &refs, &no_hits, &news)
+                    plan_steps(e.budget(), &refs, &no_hits, &news, &HashSet::new())
                         .unwrap()
                         .is_ok()
                 };
@@ -871,5 +1019,152 @@ mod tests {
             admitted > 500 && refused > 50,
             "{admitted} admitted, {refused} refused"
         );
+    }
+
+    #[test]
+    fn a_reserved_step_gets_its_pages_in_any_order() {
+        // Random steps, each reserved with its allocations in one order and then made in
+        // another (as vLLM's phases do): a reserved step never runs short, a refused one
+        // changes nothing, and between steps nothing stays reserved.
+        let mut rng = 23u64;
+        let (mut reserved, mut refused, mut reordered) = (0, 0, 0);
+        for round in 0..120 {
+            let pages: &[i64] = if round % 2 == 0 {
+                &[16, 32]
+            } else {
+                &[8, 24, 96]
+            };
+            let mut e = ElasticPools::new(96, 6, pages, true, 16).unwrap();
+            let groups = pages.len();
+            let mut live: Vec<Vec<Vec<BlockId>>> = Vec::new();
+            let mut next_key = 0u64;
+            for _ in 0..60 {
+                if lcg(&mut rng) % 3 == 0 && !live.is_empty() {
+                    let i = lcg(&mut rng) as usize % live.len();
+                    finish(&mut e, &live.swap_remove(i), &mut next_key);
+                    continue;
+                }
+                let mut news: Vec<(GroupIndex, usize)> = Vec::new();
+                for g in 0..groups {
+                    for _ in 0..=(lcg(&mut rng) % 2) {
+                        news.push((g, (lcg(&mut rng) % 6) as usize));
+                    }
+                }
+                let no_hits: Vec<&[BlockId]> = vec![&[]; groups];
+                let before = format!("{e:?}");
+                match e.reserve(&no_hits, &news, |_, _, _| {}).unwrap() {
+                    Err(_) => {
+                        refused += 1;
+                        assert_eq!(before, format!("{e:?}"), "a refused step changed state");
+                        continue;
+                    }
+                    Ok(_) => reserved += 1,
+                }
+                // Every group's pops in reverse group order.
+                let mut order = news.clone();
+                order.sort_by_key(|&(g, _)| std::cmp::Reverse(g));
+                reordered += usize::from(order != news);
+                let mut req = vec![Vec::new(); groups];
+                for &(g, n) in &order {
+                    let got = e
+                        .allocate(g, n, |_, _, _| {})
+                        .expect("a reserved step ran short");
+                    req[g].extend(got);
+                }
+                e.end_step();
+                e.check_invariants().unwrap();
+                live.push(req);
+            }
+        }
+        assert!(
+            reserved > 500 && refused > 50 && reordered > 500,
+            "{reserved} reserved, {refused} refused, {reordered} reordered"
+        );
+    }
+
+    #[test]
+    fn a_failed_sync_changes_nothing_and_keeps_every_change() {
+        let mut e = ElasticPools::new(64, 4, &[16, 64], true, 16).unwrap();
+        let a = e.allocate(0, 2, |_, _, _| {}).unwrap();
+        let slab = e.budget().slab_of(0, a[0]).unwrap();
+        assert_eq!(e.budget().live(slab), 2);
+        // Behind the budget's back: one valid free, then a free of a page the budget holds.
+        let held = e.budget().pages_in(0, slab + 1).start;
+        assert!(!is_lent(e.budget(), 0, held));
+        e.pool_mut(0).free(&[a[0]]).unwrap();
+        e.pool_mut(0).free(&[held]).unwrap();
+        let budget_before = format!("{:?}", e.budget());
+        let (budget, pools) = (&mut e.budget, &mut e.pools);
+        assert!(sync(budget, 0, &mut pools[0]).is_err());
+        assert_eq!(
+            budget_before,
+            format!("{:?}", e.budget()),
+            "half a sync applied"
+        );
+        assert_eq!(
+            e.pools[0].take_live_changes(),
+            vec![(a[0], false), (held, false)],
+            "the changes were lost"
+        );
+    }
+
+    #[test]
+    fn taking_a_slab_back_reports_its_pages_and_the_evicted_ones() {
+        // Slabs of 64 bytes: four 16-byte pages of group 0, one 64-byte page of group 1.
+        let mut e = ElasticPools::new(64, 3, &[16, 64], true, 16).unwrap();
+        let a = e.allocate(0, 8, |_, _, _| {}).unwrap();
+        // Three of each slab's four pages cached.
+        let cached: Vec<BlockId> = a.iter().copied().filter(|p| p % 4 != 3).collect();
+        for (i, &p) in cached.iter().enumerate() {
+            e.pools[0].insert_hash(&key(i as u64), p, None).unwrap();
+        }
+        e.free(0, &a).unwrap();
+        let mut refs: Vec<&mut GroupPool> = e.pools.iter_mut().collect();
+        let taken = prepare(
+            &mut e.budget,
+            &mut refs,
+            1,
+            1,
+            &HashSet::new(),
+            |_, _, _| {},
+        )
+        .unwrap();
+        assert_eq!(taken.len(), 1);
+        let t = &taken[0];
+        assert_eq!(t.group, 0);
+        let slab = e.budget().slab_of(0, t.pages[0]).unwrap();
+        assert_eq!(t.pages, e.budget().pages_in(0, slab).collect::<Vec<_>>());
+        let want: Vec<BlockId> = t.pages.iter().copied().filter(|p| p % 4 != 3).collect();
+        assert_eq!((t.evicted.clone(), want.len()), (want, 3));
+        assert!(t.pages.iter().all(|&p| !e.pools[0].cache().is_cached(p)));
+        e.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn popped_pages_pin_their_slab_before_they_are_claimed() {
+        let mut e = ElasticPools::new(64, 3, &[16, 64], true, 16).unwrap();
+        let mut refs: Vec<&mut GroupPool> = e.pools.iter_mut().collect();
+        prepare(
+            &mut e.budget,
+            &mut refs,
+            0,
+            2,
+            &HashSet::new(),
+            |_, _, _| {},
+        )
+        .unwrap();
+        let popped = e.pools[0].pop_free(2).unwrap();
+        let (budget, pools) = (&mut e.budget, &mut e.pools);
+        sync(budget, 0, &mut pools[0]).unwrap();
+        let slab = e.budget().slab_of(0, popped[0]).unwrap();
+        assert_eq!(
+            e.budget().live(slab),
+            2,
+            "popped but unclaimed pages left the slab idle"
+        );
+        // So another group cannot take the slab back in between.
+        assert!(e.allocate(1, 2, |_, _, _| {}).is_err());
+        e.pools[0].claim_popped(&popped, |_, _| {});
+        e.check_invariants().unwrap();
     }
 }

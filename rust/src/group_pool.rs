@@ -107,6 +107,15 @@ impl GroupPool {
             .unwrap_or_default()
     }
 
+    /// Put changes taken with [`take_live_changes`](Self::take_live_changes) back in front
+    /// of any recorded since (a sync that failed keeps them for the next one).
+    pub fn restore_live_changes(&mut self, mut changes: Vec<(BlockId, bool)>) {
+        if let Some(log) = self.live_changes.as_mut() {
+            changes.append(log);
+            *log = changes;
+        }
+    }
+
     fn log_live(&mut self, ids: &[BlockId], live: bool) {
         if let Some(log) = self.live_changes.as_mut() {
             log.extend(ids.iter().map(|&id| (id, live)));
@@ -217,6 +226,9 @@ impl GroupPool {
         if n <= self.num_free() {
             let mut ids = Vec::with_capacity(n);
             if self.queue.pop_front_n(n, &mut ids) {
+                // Off the queue is in use: a budget synced now must not count these
+                // pages' slabs idle while the caller has not claimed them yet.
+                self.log_live(&ids, true);
                 return Ok(ids);
             }
         }
@@ -235,7 +247,6 @@ impl GroupPool {
             }
             self.ref_cnt[id as usize] = 1;
         }
-        self.log_live(ids, true);
     }
 
     /// Drop one reference to each listed block (a block may be listed as often as it is

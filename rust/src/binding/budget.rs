@@ -128,23 +128,10 @@ impl NativeByteBudget {
         Ok(self.inner.partly_used_free_pages(self.group(group)?))
     }
 
-    fn is_partly_used(&self, group: i64, page: i64) -> PyResult<bool> {
-        let g = self.group(group)?;
-        Ok(u32::try_from(page).is_ok_and(|p| self.inner.is_partly_used(g, p)))
-    }
-
     /// ``(granted, released)``: slabs the group took from and gave back to the budget.
     fn owner_changes(&self, group: i64) -> PyResult<(u64, u64)> {
         let c = self.inner.owner_changes(self.group(group)?);
         Ok((c.granted, c.released))
-    }
-
-    fn slabs_needed(&self, needs: Vec<u64>) -> PyResult<u64> {
-        self.inner.slabs_needed(&needs).map_err(err)
-    }
-
-    fn fits(&self, needs: Vec<u64>) -> PyResult<bool> {
-        self.inner.fits(&needs).map_err(err)
     }
 
     fn grant(&mut self, group: i64) -> PyResult<Option<SlabId>> {

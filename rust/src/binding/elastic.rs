@@ -5,8 +5,10 @@
 
 use super::convert::pool_error;
 use super::pool::NativeBlockPool;
-use crate::byte_budget::{ByteBudget, GroupIndex};
-use crate::elastic;
+use std::collections::HashSet;
+
+use crate::byte_budget::{ByteBudget, GroupIndex, SlabId};
+use crate::elastic::{self, TakenBack};
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, GroupPool};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -26,6 +28,8 @@ pub struct NativeElasticPools {
     budget: ByteBudget,
     pools: Vec<Option<Py<NativeBlockPool>>>,
     label: String,
+    /// Slabs the step being served holds (`reserve` .. `end_step`).
+    reserved: HashSet<SlabId>,
 }
 
 impl NativeElasticPools {
@@ -77,13 +81,22 @@ impl NativeElasticPools {
             .try_for_each(|&id| elastic::check_usable(&self.budget, g, pool, id, op))
     }
 
-    /// Lend group `g` the memory its next `n` pops need (see [`elastic::prepare`]); keys
-    /// evicted from slabs taken back become `BlockRemoved` events of their own pool.
-    pub(crate) fn prepare(slf: &Bound<'_, Self>, g: GroupIndex, n: usize) -> PyResult<()> {
+    /// Run `op` over the budget and every group's core pool (all borrowed for the call);
+    /// keys it evicts become `BlockRemoved` events of their own pool, and the pages of
+    /// slabs it takes back are reported to their pool's reuse watchers and observers.
+    fn with_pools<T>(
+        slf: &Bound<'_, Self>,
+        op: impl FnOnce(
+            &mut ByteBudget,
+            &mut [&mut GroupPool],
+            &mut HashSet<SlabId>,
+            &mut dyn FnMut(GroupIndex, BlockId, &[u8]),
+        ) -> Result<(T, Vec<TakenBack>), PoolError>,
+    ) -> PyResult<T> {
         let py = slf.py();
         let pools = slf.try_borrow()?.attached(py)?;
         let mut keys: Vec<RemovedKeys> = Vec::with_capacity(pools.len());
-        {
+        let outcome = {
             let mut guards = Vec::with_capacity(pools.len());
             for p in &pools {
                 guards.push(p.bind(py).try_borrow_mut()?);
@@ -94,15 +107,64 @@ impl NativeElasticPools {
             let mut this = slf.try_borrow_mut()?;
             let this = &mut *this;
             let mut refs: Vec<&mut GroupPool> = guards.iter_mut().map(|g| &mut g.core).collect();
-            elastic::prepare(&mut this.budget, &mut refs, g, n, |h, _, key| {
-                keys[h].push(key)
-            })
-            .map_err(|e| pool_error(&this.label, e))?;
-        }
+            let mut sink = |h: GroupIndex, _: BlockId, key: &[u8]| keys[h].push(key);
+            op(&mut this.budget, &mut refs, &mut this.reserved, &mut sink)
+                .map_err(|e| pool_error(&this.label, e))
+        };
         for (p, k) in pools.iter().zip(keys) {
             NativeBlockPool::emit_removed(p.bind(py), k)?;
         }
-        Ok(())
+        let (value, taken) = outcome?;
+        for t in taken {
+            NativeBlockPool::taken_back(pools[t.group].bind(py), &t.pages, &t.evicted)?;
+        }
+        Ok(value)
+    }
+
+    /// Lend group `g` the memory its next `n` pops need (see [`elastic::prepare`]).
+    pub(crate) fn prepare(slf: &Bound<'_, Self>, g: GroupIndex, n: usize) -> PyResult<()> {
+        Self::with_pools(slf, |budget, pools, reserved, removed| {
+            let taken = elastic::prepare(budget, pools, g, n, reserved, removed)?;
+            Ok(((), taken))
+        })
+    }
+
+    /// `Ok` if group `g` may name `id` (the null block, or a page of a slab it owns).
+    pub(crate) fn check_lent(
+        &self,
+        g: GroupIndex,
+        id: BlockId,
+        op: &'static str,
+    ) -> Result<(), PoolError> {
+        if id == crate::group_pool::NULL_BLOCK_ID || elastic::is_lent(&self.budget, g, id) {
+            Ok(())
+        } else {
+            Err(PoolError::ForeignBlock { block_id: id, op })
+        }
+    }
+
+    /// Hit IDs per group and (group, count) allocations, converted and checked.
+    #[allow(clippy::type_complexity)]
+    fn step_args(
+        slf: &Bound<'_, Self>,
+        hits: &[Bound<'_, PyAny>],
+        news: Vec<(i64, usize)>,
+    ) -> PyResult<(Vec<Vec<BlockId>>, Vec<(GroupIndex, usize)>)> {
+        let py = slf.py();
+        let pools = slf.try_borrow()?.attached(py)?;
+        let mut hit_ids = Vec::with_capacity(hits.len());
+        for (g, blocks) in hits.iter().enumerate() {
+            hit_ids.push(match pools.get(g) {
+                Some(p) => NativeBlockPool::own_ids(p.bind(py), blocks, "plan")?,
+                None => Vec::new(),
+            });
+        }
+        let this = slf.try_borrow()?;
+        let news = news
+            .into_iter()
+            .map(|(g, n)| Ok((this.group(g)?, n)))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((hit_ids, news))
     }
 }
 
@@ -124,6 +186,7 @@ impl NativeElasticPools {
             budget,
             pools,
             label,
+            reserved: HashSet::new(),
         })
     }
 
@@ -160,38 +223,60 @@ impl NativeElasticPools {
 
     /// Whether a step fits: `hits[g]` are group g's prefix-hit blocks (taken first), then
     /// `news` lists (group, new blocks) in the order the groups allocate. None if it
-    /// fits, else (the first group short, blocks missing).
+    /// fits, else (the first group short, blocks missing). Changes nothing.
     fn plan(
         slf: &Bound<'_, Self>,
         hits: Vec<Bound<'_, PyAny>>,
         news: Vec<(i64, usize)>,
     ) -> PyResult<Option<(usize, usize)>> {
         let py = slf.py();
+        let (hit_ids, news) = Self::step_args(slf, &hits, news)?;
         let pools = slf.try_borrow()?.attached(py)?;
-        let mut hit_ids = Vec::with_capacity(hits.len());
-        for (g, blocks) in hits.iter().enumerate() {
-            hit_ids.push(match pools.get(g) {
-                Some(p) => NativeBlockPool::own_ids(p.bind(py), blocks, "plan")?,
-                None => Vec::new(),
-            });
-        }
         let this = slf.try_borrow()?;
-        let news = news
-            .into_iter()
-            .map(|(g, n)| Ok((this.group(g)?, n)))
-            .collect::<PyResult<Vec<_>>>()?;
         let guards = pools
             .iter()
             .map(|p| p.bind(py).try_borrow())
             .collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<&GroupPool> = guards.iter().map(|g| &g.core).collect();
         let hit_refs: Vec<&[BlockId]> = hit_ids.iter().map(Vec::as_slice).collect();
-        match elastic::plan_steps(&this.budget, &refs, &hit_refs, &news)
+        match elastic::plan_steps(&this.budget, &refs, &hit_refs, &news, &this.reserved)
             .map_err(|e| this.error(e))?
         {
             Ok(()) => Ok(None),
             Err(short) => Ok(Some((short.group, short.missing))),
         }
+    }
+
+    /// Admit a step as a reservation (see `elastic::reserve_steps`): the plan of `plan`,
+    /// and if it fits, every slab it lends is lent now and the step's slabs are kept from
+    /// other groups until `end_step`. None if reserved, else (group, blocks missing) and
+    /// nothing changed.
+    fn reserve(
+        slf: &Bound<'_, Self>,
+        hits: Vec<Bound<'_, PyAny>>,
+        news: Vec<(i64, usize)>,
+    ) -> PyResult<Option<(usize, usize)>> {
+        let (hit_ids, news) = Self::step_args(slf, &hits, news)?;
+        let hit_refs: Vec<&[BlockId]> = hit_ids.iter().map(Vec::as_slice).collect();
+        Self::with_pools(slf, |budget, pools, reserved, removed| {
+            Ok(
+                match elastic::reserve_steps(budget, pools, &hit_refs, &news, reserved, removed)? {
+                    Ok(taken) => (None, taken),
+                    Err(short) => (Some((short.group, short.missing)), Vec::new()),
+                },
+            )
+        })
+    }
+
+    /// The reserved step is over: its slabs may be taken back again.
+    fn end_step(&mut self) {
+        self.reserved.clear();
+    }
+
+    /// Slabs the step being served holds (0 between steps).
+    #[getter]
+    fn num_reserved(&self) -> usize {
+        self.reserved.len()
     }
 
     #[getter]

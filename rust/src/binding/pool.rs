@@ -12,6 +12,7 @@ use super::convert::{
 };
 use super::elastic::{ElasticLink, NativeElasticPools};
 use super::views::{BlockTable, FreeQueueView};
+use crate::byte_budget::GroupIndex;
 use crate::caching::{PartialEntry, Span};
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, GroupPool};
@@ -131,6 +132,57 @@ impl NativeBlockPool {
             .map_err(|e| self.error(e))
     }
 
+    /// The elastic budget's check for one block named by a caching call (`Ok` outside
+    /// elastic pools): a block the budget holds may not be given a key.
+    fn elastic_check_one(
+        py: Python<'_>,
+        link: Option<&(Py<NativeElasticPools>, GroupIndex)>,
+        label: &str,
+        id: BlockId,
+        op: &'static str,
+    ) -> PyResult<()> {
+        let Some((owner, group)) = link else {
+            return Ok(());
+        };
+        owner
+            .bind(py)
+            .try_borrow()?
+            .check_lent(*group, id, op)
+            .map_err(|e| pool_error(label, e))
+    }
+
+    fn elastic_link(&self, py: Python<'_>) -> Option<(Py<NativeElasticPools>, GroupIndex)> {
+        self.elastic
+            .as_ref()
+            .map(|l| (l.owner.clone_ref(py), l.group))
+    }
+
+    /// Pages of a slab the budget took back from this pool (see
+    /// `elastic::TakenBack`): their `unpin_blocks` watchers are told the pages are reused,
+    /// in page order, then the observers hear of each page whose keys were evicted.
+    pub(super) fn taken_back(
+        slf: &Bound<'_, Self>,
+        pages: &[BlockId],
+        evicted: &[BlockId],
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let (watchers, observers) = {
+            let mut this = slf.try_borrow_mut()?;
+            let watchers = this.watchers.take_listed(pages);
+            let observers = this.observers.as_ref().map(|o| o.clone_ref(py));
+            (watchers, observers)
+        };
+        for (id, watcher) in watchers {
+            watcher.call1(py, (Self::handle(slf, id)?,))?;
+        }
+        if let Some(o) = observers {
+            for &id in evicted {
+                o.evicted.call1(py, (Self::handle(slf, id)?,))?;
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn removed_keys(&self) -> RemovedKeys {
         RemovedKeys::new(self.removed_sink.is_some())
     }
@@ -166,6 +218,9 @@ impl NativeBlockPool {
         let py = slf.py();
         let mut keys = this.removed_keys();
         let first = with_removed_sink!(keys, |sink| steps.next_notice(&mut this.core, sink));
+        // The budget hears of every change before any callback can run (a callback may
+        // allocate in another group, which must not take a slab this one just filled).
+        let mut synced = this.sync_elastic(py);
         let observers = match first {
             Some(_) => this.observers.as_ref().map(|o| o.clone_ref(py)),
             None => None,
@@ -179,13 +234,16 @@ impl NativeBlockPool {
             if let Err(e) = Self::deliver(slf, observers.as_ref(), current) {
                 let mut this = slf.try_borrow_mut()?;
                 with_removed_sink!(keys, |sink| steps.abandon(&mut this.core, sink));
+                synced = synced.and(this.sync_elastic(py));
                 break Err(e);
             }
             let mut this = slf.try_borrow_mut()?;
             notice = with_removed_sink!(keys, |sink| steps.next_notice(&mut this.core, sink));
+            synced = synced.and(this.sync_elastic(py));
         };
         let emitted = Self::emit_removed(slf, keys);
         let removed = outcome?;
+        synced?;
         emitted.map(|_| removed)
     }
 
@@ -414,12 +472,12 @@ impl NativeBlockPool {
             .hand_out(num_blocks, &mut this.watchers, observed)
             .map_err(|e| pool_error(&this.label, e))?;
         let list = this.handles.list(slf, this.core.num_blocks(), steps.ids());
-        // The blocks are off the free queue: claim them even if the list failed.
+        // The blocks are off the free queue: claim them even if the list failed (the
+        // budget is synced as they leave the queue, see `drive`).
         let driven = Self::drive(slf, guard, steps);
-        let synced = slf.try_borrow_mut()?.sync_elastic(slf.py());
         let list = list?;
         driven?;
-        synced.map(|_| list)
+        Ok(list)
     }
 
     /// Drop one reference to each block; blocks reaching zero become free (uncached ones
@@ -485,10 +543,7 @@ impl NativeBlockPool {
             .core
             .touch_steps(ids, this.observers.is_some())
             .map_err(|e| this.error(e))?;
-        let driven = Self::drive(slf, this, steps);
-        let synced = slf.try_borrow_mut()?.sync_elastic(slf.py());
-        driven?;
-        synced
+        Self::drive(slf, this, steps).map(drop)
     }
 
     /// Release references to blocks whose contents stay readable until the pool hands
@@ -617,10 +672,14 @@ impl NativeBlockPool {
             op: OP,
         };
         let blocks = Indexed::new(blocks);
+        let link = slf.try_borrow()?.elastic_link(slf.py());
         // Blocks are read while the pool is borrowed: reading a handle needs no borrow.
         let block_at = |i: usize| {
             let block = block_ref(slf, &label, OP, &blocks.get(i)?)?;
-            routing::own_id(&PoolToken::This, OP, block).map_err(|e| pool_error(&label, e))
+            let id =
+                routing::own_id(&PoolToken::This, OP, block).map_err(|e| pool_error(&label, e))?;
+            Self::elastic_check_one(slf.py(), link.as_ref(), &label, id, "cache")?;
+            Ok(id)
         };
         let kept = {
             let mut this = slf.try_borrow_mut()?;
@@ -649,6 +708,10 @@ impl NativeBlockPool {
         replace_existing_hashes: bool,
     ) -> PyResult<Option<(Bound<'py, PyBytes>, bool)>> {
         let id = Self::own_id(slf, block, "cache_partial_block")?;
+        {
+            let this = slf.try_borrow()?;
+            this.check_elastic(slf.py(), &[id], "cache")?;
+        }
         let entry = PartialEntry {
             block: id,
             num_tokens,
@@ -688,6 +751,7 @@ impl NativeBlockPool {
     ) -> PyResult<()> {
         let id = Self::own_id(slf, block, "_insert_block_hash")?;
         let mut this = slf.try_borrow_mut()?;
+        this.check_elastic(slf.py(), &[id], "cache")?;
         this.core
             .insert_hash(block_hash_with_group_id, id, num_tokens)
             .map_err(|e| pool_error(&this.label, e))
@@ -774,6 +838,7 @@ impl NativeBlockPool {
         let src = Self::own_id(slf, src_block, "move_block_hashes")?;
         let dst = Self::own_id(slf, dst_block, "move_block_hashes")?;
         let mut this = slf.try_borrow_mut()?;
+        this.check_elastic(slf.py(), &[src, dst], "move the keys of")?;
         this.core
             .move_hashes(src, dst)
             .map_err(|e| pool_error(&this.label, e))
