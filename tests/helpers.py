@@ -20,7 +20,7 @@ import math
 import os
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,6 +414,20 @@ def check_our_pool(pool: Any, managers: Any, own_groups: set[int] | None = None)
 # ------------------------------------------------------------ per-group managers
 MAX_LEN = 1024
 """max_model_len of the per-group layouts: vLLM sizes a 'none'-mode Mamba block to it."""
+
+
+def kept_per_live(specs: Sequence[Any], config: Any) -> tuple[int, ...]:
+    """Per pool of ``config``, the idle blocks elastic pools keep per block in use, by the
+    engine's rule (``ElasticSizing.kept_per_live``): a Mamba pool's state factor less one."""
+    from hybrid_alloc import sizing
+
+    kept = []
+    for layout in config.pool_layouts:
+        spec = specs[layout.group_ids[0]]
+        mode = spec.mamba_cache_mode if isinstance(spec, MambaSpec) else None
+        fixed = mode is not None and sizing.mamba_group_kind(mode) == "fixed"
+        kept.append(sizing.mamba_state_factor(mode) - 1 if fixed and mode else 0)
+    return tuple(kept)
 
 
 def state_mamba(mode: str, speculative_blocks: int = 0) -> Any:

@@ -168,6 +168,8 @@ class NativeByteBudget:
     @property
     def num_fully_free(self) -> int: ...
     @property
+    def kept_per_live(self) -> list[int]: ...
+    @property
     def stranded_bytes(self) -> int: ...
     @property
     def edge_waste_bytes(self) -> int: ...
@@ -198,7 +200,12 @@ class NativeElasticPools:
     first, taking idle slabs back from other groups when nothing else is left."""
 
     def __init__(
-        self, slab_bytes: int, num_slabs: int, page_bytes: list[int], label: str | None = None
+        self,
+        slab_bytes: int,
+        num_slabs: int,
+        page_bytes: list[int],
+        label: str | None = None,
+        kept_per_live: list[int] | None = None,
     ) -> None: ...
     def attach(self, group: int, pool: NativeBlockPool) -> None: ...
     def plan(

@@ -694,6 +694,14 @@ class ElasticSizing:
         return self.slab_bytes * self.num_slabs
 
     @property
+    def kept_per_live(self) -> tuple[int, ...]:
+        """Per pool, idle blocks other pools may not take back, per block in use: a fixed
+        pool's ``state_factor - 1`` (an 'align'-mode state moves to a new block at every
+        block boundary while the old one is read, so a request needs a second block then;
+        the static split reserves the same), else none."""
+        return tuple(n.state_factor - 1 if n.kind == "fixed" else 0 for n in self.needs)
+
+    @property
     def pages_per_slab(self) -> tuple[int, ...]:
         return tuple(pages_per_slab(self.slab_bytes, p) for p in self.page_bytes)
 

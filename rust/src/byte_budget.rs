@@ -64,6 +64,11 @@ pub struct ByteBudget {
     /// Per group: slabs owned, and slabs owned with no live page.
     owned: Vec<u32>,
     idle: Vec<u32>,
+    /// Per group: its pages in use.
+    live_pages: Vec<u64>,
+    /// Per group: idle pages kept, per page in use, that no other group may take back
+    /// (see [`ByteBudget::set_kept_per_live`]).
+    kept_per_live: Vec<u32>,
     /// Owned slabs with no live page, keyed by when each became idle: the slab idle the
     /// longest is taken back first, so the cached pages another group's need evicts are
     /// the least recently used ones, whichever group cached them.
@@ -143,6 +148,8 @@ impl ByteBudget {
             unowned: (1..slabs).rev().collect(),
             owned: vec![0; groups],
             idle: vec![0; groups],
+            live_pages: vec![0; groups],
+            kept_per_live: vec![0; groups],
             idle_slabs: BTreeSet::new(),
             idle_since: vec![0; slabs as usize],
             clock: 0,
@@ -222,6 +229,34 @@ impl ByteBudget {
     /// needs them, after their cached pages are evicted).
     pub fn num_idle(&self, g: GroupIndex) -> u32 {
         self.idle[g]
+    }
+
+    /// Group `g`'s pages in use.
+    pub fn live_pages(&self, g: GroupIndex) -> u64 {
+        self.live_pages[g]
+    }
+
+    /// Keep `n` idle pages of group `g` per page it has in use out of other groups'
+    /// reach: its idle slabs are taken back only beyond that many pages' slabs. An
+    /// 'align'-mode Mamba/GDN group needs a second page whenever a request crosses a
+    /// block boundary (the state moves to a new block while the old one is read); when
+    /// another group has taken that page's slab, only a whole idle slab of the other
+    /// group can give it back, and memory fragmented in partly used slabs cannot, so the
+    /// crossing preempts a request. The static split keeps the same pages per request.
+    pub fn set_kept_per_live(&mut self, g: GroupIndex, n: u32) -> Result<(), PoolError> {
+        self.check_group(g)?;
+        self.kept_per_live[g] = n;
+        Ok(())
+    }
+
+    pub fn kept_per_live(&self, g: GroupIndex) -> u32 {
+        self.kept_per_live[g]
+    }
+
+    /// Idle slabs of group `g` that other groups may not take back while it has
+    /// `live_pages` pages in use.
+    pub fn kept_idle_slabs(&self, g: GroupIndex, live_pages: u64) -> u64 {
+        (live_pages * u64::from(self.kept_per_live[g])).div_ceil(u64::from(self.pages_per_slab[g]))
     }
 
     /// Owned slabs with no live page, the one idle the longest first.
@@ -392,6 +427,7 @@ impl ByteBudget {
             self.unmark_idle(s as SlabId);
         }
         self.live[s] += 1;
+        self.live_pages[g] += 1;
         Ok(())
     }
 
@@ -405,6 +441,7 @@ impl ByteBudget {
             });
         }
         self.live[s] -= 1;
+        self.live_pages[g] -= 1;
         if self.live[s] == 0 {
             self.idle[g] += 1;
             self.mark_idle(s as SlabId);
@@ -431,6 +468,7 @@ impl ByteBudget {
         let groups = self.num_groups();
         let mut owned = vec![0u32; groups];
         let mut idle = vec![0u32; groups];
+        let mut live_pages = vec![0u64; groups];
         for s in 0..self.num_slabs() {
             let live = self.live[s as usize];
             match self.owner(s) {
@@ -442,6 +480,7 @@ impl ByteBudget {
                         return Err(format!("slab {s}: {live} live pages, room for fewer"));
                     }
                     owned[g] += 1;
+                    live_pages[g] += u64::from(live);
                     if live == 0 {
                         idle[g] += 1;
                     }
@@ -449,6 +488,12 @@ impl ByteBudget {
                 None if live > 0 => return Err(format!("slab {s} unowned with {live} live")),
                 None => {}
             }
+        }
+        if live_pages != self.live_pages {
+            return Err(format!(
+                "live pages per group {:?}, the slabs hold {live_pages:?}",
+                self.live_pages
+            ));
         }
         let idle_set: BTreeSet<SlabId> = (0..self.num_slabs())
             .filter(|&s| self.owner(s).is_some() && self.live[s as usize] == 0)

@@ -17,7 +17,8 @@
 //! 3. then `g`'s own cached pages, least recently used first;
 //! 4. then idle slabs (no page in use) of other groups, the one idle the longest first (the
 //!    least recently used cached pages of any group go first), taken back (their
-//!    cached pages evicted) and lent to `g`;
+//!    cached pages evicted) and lent to `g`, except those a group keeps for its live pages
+//!    ([`ByteBudget::set_kept_per_live`]: an 'align'-mode state group's next block);
 //! 5. else the allocation is refused and nothing changes.
 //!
 //! Admission ([`plan`]) runs that policy for a whole step (every group's prefix hits first,
@@ -136,6 +137,8 @@ struct Virtual<'a> {
     cursor: Vec<Option<BlockId>>,
     /// Live pages added per slab.
     pinned: HashMap<SlabId, u32>,
+    /// Live pages added per group.
+    pinned_pages: Vec<u64>,
     /// Slabs virtually lent (unowned before, or taken back): never idle within the step.
     lent: HashSet<SlabId>,
     /// Slabs virtually taken back: their pages are gone from their owner's queue.
@@ -175,6 +178,7 @@ impl Virtual<'_> {
             if take {
                 self.taken[g].insert(p);
                 self.free[g] = self.free[g].saturating_sub(1);
+                self.pinned_pages[g] += 1;
                 if let Some(s) = self.budget.slab_of(g, p) {
                     *self.pinned.entry(s).or_insert(0) += 1;
                 }
@@ -187,6 +191,43 @@ impl Virtual<'_> {
     fn is_idle(&self, s: SlabId) -> bool {
         self.budget.live(s) + self.pinned.get(&s).copied().unwrap_or(0) == 0
             && !self.lent.contains(&s)
+    }
+
+    /// Up to `want` idle slabs of groups other than `g`, the one idle the longest first,
+    /// leaving each group the idle slabs it keeps for its live pages
+    /// ([`ByteBudget::set_kept_per_live`]).
+    fn victims(&self, g: GroupIndex, want: usize) -> Vec<SlabId> {
+        let budget = self.budget;
+        let groups = budget.num_groups();
+        let mut idle_left = vec![0u64; groups];
+        if (0..groups).any(|h| h != g && budget.kept_per_live(h) > 0) {
+            for s in budget.idle_slabs().filter(|&s| self.is_idle(s)) {
+                if let Some(h) = budget.owner(s) {
+                    idle_left[h] += 1;
+                }
+            }
+        }
+        let kept: Vec<u64> = (0..groups)
+            .map(|h| budget.kept_idle_slabs(h, budget.live_pages(h) + self.pinned_pages[h]))
+            .collect();
+        let mut victims = Vec::with_capacity(want);
+        for s in budget.idle_slabs() {
+            if victims.len() == want {
+                break;
+            }
+            let Some(h) = budget.owner(s) else { continue };
+            if h == g || !self.is_idle(s) {
+                continue;
+            }
+            if kept[h] > 0 {
+                if idle_left[h] <= kept[h] {
+                    continue;
+                }
+                idle_left[h] -= 1;
+            }
+            victims.push(s);
+        }
+        victims
     }
 
     /// Group `g`'s `n` new pages by the policy; `Err(missing)` if it runs short.
@@ -213,12 +254,8 @@ impl Virtual<'_> {
         let available = fresh + self.free[g];
         if n > available {
             let want = (n - available).div_ceil(per_slab);
+            let victims = self.victims(g, want);
             let budget = self.budget;
-            let victims: Vec<SlabId> = budget
-                .idle_slabs()
-                .filter(|&s| budget.owner(s) != Some(g) && self.is_idle(s))
-                .take(want)
-                .collect();
             if victims.len() < want {
                 let short = n - available - victims.len() * per_slab;
                 return Err(short.min(n));
@@ -256,6 +293,7 @@ fn new_virtual<'a>(
         free: pools.iter().map(|p| p.num_free()).collect(),
         cursor: pools.iter().map(|p| p.queue().front()).collect(),
         pinned: HashMap::new(),
+        pinned_pages: vec![0; pools.len()],
         lent: reserved.clone(),
         reclaimed: HashSet::new(),
         unowned_used: 0,
@@ -341,6 +379,7 @@ fn walk_steps(
         for &p in ids.iter() {
             if p != NULL_BLOCK_ID && pools[g].ref_cnt(p) == 0 && v.taken[g].insert(p) {
                 v.free[g] = v.free[g].saturating_sub(1);
+                v.pinned_pages[g] += 1;
                 if let Some(s) = budget.slab_of(g, p) {
                     *v.pinned.entry(s).or_insert(0) += 1;
                 }
@@ -590,6 +629,11 @@ impl ElasticPools {
         })
     }
 
+    /// See [`ByteBudget::set_kept_per_live`].
+    pub fn set_kept_per_live(&mut self, g: GroupIndex, n: u32) -> Result<(), PoolError> {
+        self.budget.set_kept_per_live(g, n)
+    }
+
     pub fn budget(&self) -> &ByteBudget {
         &self.budget
     }
@@ -762,6 +806,54 @@ mod tests {
         assert_eq!(again.len(), 8);
         assert!(e.budget().owner_changes(1).released >= 1);
         assert!(pool_keys > 0);
+        e.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_state_group_keeps_a_slab_per_live_state() {
+        // Slabs of 64 bytes: four attention pages or one state page; the state group keeps
+        // one idle page per live page out of the attention group's reach.
+        let mut e = ElasticPools::new(64, 5, &[16, 64], true, 16).unwrap();
+        e.set_kept_per_live(1, 1).unwrap();
+        let none = |_: GroupIndex, _: BlockId, _: &[u8]| {};
+        let states = e.allocate(1, 3, none).unwrap();
+        let attn = e.allocate(0, 4, none).unwrap(); // the last unowned slab
+        e.free(1, &states[1..]).unwrap(); // one live state, two idle slabs
+        assert_eq!(e.budget().num_idle(1), 2);
+        // One idle slab is the live state's: the attention group may take only the other.
+        let more = e.allocate(0, 4, none).unwrap();
+        assert_eq!(e.budget().num_idle(1), 1);
+        let view: Vec<&GroupPool> = e.pools.iter().collect();
+        let ask = [
+            GroupAsk {
+                hits: vec![],
+                new: 1,
+            },
+            GroupAsk::default(),
+        ];
+        assert_eq!(
+            plan(e.budget(), &view, &ask).unwrap(),
+            Err(Shortfall {
+                group: 0,
+                missing: 1
+            }),
+            "the plan took back the slab kept for the live state"
+        );
+        assert!(e.allocate(0, 1, none).is_err());
+        // The state crosses a block boundary: its next page is there.
+        let next = e.allocate(1, 1, none).unwrap();
+        e.free(1, &states[..1]).unwrap();
+        // Nothing live is left in the kept slab's place once the old state is freed: the
+        // live state keeps one idle slab, and the attention group may take none.
+        assert_eq!(e.budget().live_pages(1), 1);
+        assert!(e.allocate(0, 1, none).is_err());
+        e.free(1, &next).unwrap();
+        // No live state: every idle state slab may go.
+        let rest = e.allocate(0, 8, none).unwrap();
+        assert_eq!(rest.len(), 8);
+        assert_eq!(e.budget().num_owned(1), 0);
+        e.free(0, &attn).unwrap();
+        e.free(0, &more).unwrap();
         e.check_invariants().unwrap();
     }
 

@@ -27,6 +27,7 @@ from hybrid_alloc.integration.pool_set import ElasticLayout, PoolSet
 from tests.helpers import (
     MAX_LEN,
     PER_GROUP_LAYOUTS,
+    kept_per_live,
     new_request,
     per_group_config,
     per_group_manager,
@@ -42,7 +43,12 @@ def elastic_config(layout: str, num_slabs: int) -> PerGroupKVCacheConfig:
     config = per_group_config(specs, [2] * len(specs))
     pages = tuple(specs[layout_.group_ids[0]].page_size_bytes for layout_ in config.pool_layouts)
     slab = math.lcm(*pages)
-    config.elastic = ElasticLayout(slab_bytes=slab, num_slabs=num_slabs, page_bytes=pages)
+    config.elastic = ElasticLayout(
+        slab_bytes=slab,
+        num_slabs=num_slabs,
+        page_bytes=pages,
+        kept_per_live=kept_per_live(specs, config),
+    )
     return config
 
 

@@ -35,6 +35,7 @@ from tests.helpers import (
     CountingMachine,
     attn,
     budget,
+    kept_per_live,
     new_request,
     per_group_config,
     per_group_manager,
@@ -54,7 +55,12 @@ def elastic_config(num_slabs: int, slab_pages: int) -> PerGroupKVCacheConfig:
     config = per_group_config(specs, [2, 2])
     pages = tuple(specs[layout.group_ids[0]].page_size_bytes for layout in config.pool_layouts)
     slab = math.lcm(*pages) * slab_pages if slab_pages >= 1 else pages[0] * (2 - slab_pages)
-    config.elastic = ElasticLayout(slab_bytes=slab, num_slabs=num_slabs, page_bytes=pages)
+    config.elastic = ElasticLayout(
+        slab_bytes=slab,
+        num_slabs=num_slabs,
+        page_bytes=pages,
+        kept_per_live=kept_per_live(specs, config),
+    )
     return config
 
 

@@ -485,7 +485,10 @@ def _set_tp_replicas(
 def _as_elastic_layout(result: sizing.ElasticSizing) -> ElasticLayout:
     """The budget as the scheduler's pool set and the workers read it."""
     return ElasticLayout(
-        slab_bytes=result.slab_bytes, num_slabs=result.num_slabs, page_bytes=result.page_bytes
+        slab_bytes=result.slab_bytes,
+        num_slabs=result.num_slabs,
+        page_bytes=result.page_bytes,
+        kept_per_live=result.kept_per_live,
     )
 
 

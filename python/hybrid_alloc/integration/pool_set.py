@@ -54,11 +54,15 @@ class ElasticLayout:
         num_slabs: slabs in the budget (slab 0 holds the null blocks).
         page_bytes: per pool (in layout order), the bytes one of its blocks takes across
             its layers.
+        kept_per_live: per pool, idle blocks kept per block in use that no other pool may
+            take back (empty: none); 'align'-mode Mamba/GDN pools keep the block a request
+            moves its state into at each block boundary.
     """
 
     slab_bytes: int
     num_slabs: int
     page_bytes: tuple[int, ...]
+    kept_per_live: tuple[int, ...] = ()
 
 
 def pool_of_each_group(layouts: Sequence[PoolLayout]) -> dict[int, int]:
@@ -118,7 +122,11 @@ class PoolSet:
                     f"{len(layouts)} pools"
                 )
             self.elastic = NativeElasticPools(
-                elastic.slab_bytes, elastic.num_slabs, list(elastic.page_bytes), label="elastic"
+                elastic.slab_bytes,
+                elastic.num_slabs,
+                list(elastic.page_bytes),
+                label="elastic",
+                kept_per_live=list(elastic.kept_per_live) or None,
             )
         num_groups = len(owner)
         self.layouts: tuple[PoolLayout, ...] = tuple(layouts)

@@ -171,16 +171,37 @@ impl NativeElasticPools {
 #[pymethods]
 impl NativeElasticPools {
     #[new]
-    #[pyo3(signature = (slab_bytes, num_slabs, page_bytes, label=None))]
+    #[pyo3(signature = (slab_bytes, num_slabs, page_bytes, label=None, kept_per_live=None))]
     fn new(
         slab_bytes: i64,
         num_slabs: i64,
         page_bytes: Vec<i64>,
         label: Option<String>,
+        kept_per_live: Option<Vec<i64>>,
     ) -> PyResult<Self> {
         let label = label.unwrap_or_else(|| "elastic pools".to_string());
-        let budget = ByteBudget::new(slab_bytes, num_slabs, &page_bytes)
+        let mut budget = ByteBudget::new(slab_bytes, num_slabs, &page_bytes)
             .map_err(|e| pool_error(&label, e))?;
+        if let Some(kept) = kept_per_live {
+            if kept.len() != budget.num_groups() {
+                return Err(PyValueError::new_err(format!(
+                    "{label}: kept_per_live names {} groups, page_bytes {}",
+                    kept.len(),
+                    budget.num_groups()
+                )));
+            }
+            for (g, &n) in kept.iter().enumerate() {
+                let n = u32::try_from(n).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "{label}: group {g}: kept_per_live must be in 0..={}, got {n}",
+                        u32::MAX
+                    ))
+                })?;
+                budget
+                    .set_kept_per_live(g, n)
+                    .map_err(|e| pool_error(&label, e))?;
+            }
+        }
         let pools = (0..budget.num_groups()).map(|_| None).collect();
         Ok(NativeElasticPools {
             budget,
@@ -302,6 +323,14 @@ impl NativeElasticPools {
     #[getter]
     fn num_fully_free(&self) -> u32 {
         self.budget.num_fully_free()
+    }
+
+    /// Per group: idle pages kept per page in use, out of other groups' reach.
+    #[getter]
+    fn kept_per_live(&self) -> Vec<u32> {
+        (0..self.budget.num_groups())
+            .map(|g| self.budget.kept_per_live(g))
+            .collect()
     }
 
     #[getter]
