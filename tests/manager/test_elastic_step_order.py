@@ -237,16 +237,16 @@ def test_loads_meet_spec_blocks_and_every_admitted_step_is_served(
 
 def test_the_step_a_merged_plan_admits_and_vllm_order_runs_short_is_served() -> None:
     """A sequence found where planning each group's loaded-token and new blocks as one
-    ask (the merged plan) admits request r18 (32 loaded tokens, 81 new, speculative
+    ask (the merged plan) admits request r24 (32 loaded tokens, 81 new, speculative
     lookahead), and vLLM's order (every group's loaded-token blocks, then every group's
-    new blocks) then runs the state pool short: a Mamba group's loaded-token block takes
-    the last unowned slab the attention group's new blocks were planned on. Admitted as
-    a reservation, the step is served (or refused); both kinds of step are counted."""
-    rng = random.Random(242)
-    # The search drew the budget's shape from the same generator: 5 slabs of 5
+    new blocks) then runs a pool short (searched again once the state pool kept a page
+    per live state, which changed the earlier sequence's reclaims). Admitted as a
+    reservation, the step is served (or refused); both kinds of step are counted."""
+    rng = random.Random(192)
+    # The search drew the budget's shape from the same generator: 5 slabs of 3
     # attention pages.
-    assert (rng.randrange(3, 9), rng.randrange(-3, 3)) == (5, -3)
+    assert (rng.randrange(3, 9), rng.randrange(-3, 3)) == (5, -1)
     m = StepOrderMachine()
-    m.setup(num_slabs=5, slab_pages=-3)
+    m.setup(num_slabs=5, slab_pages=-1)
     drive(m, rng, 50)
     assert m.loads_with_spec > 0 and m.refused > 0, (m.loads_with_spec, m.refused)
