@@ -416,9 +416,12 @@ MAX_LEN = 1024
 """max_model_len of the per-group layouts: vLLM sizes a 'none'-mode Mamba block to it."""
 
 
-def kept_per_live(specs: Sequence[Any], config: Any) -> tuple[int, ...]:
-    """Per pool of ``config``, the idle blocks elastic pools keep per block in use, by the
-    engine's rule (``ElasticSizing.kept_per_live``): a Mamba pool's state factor less one."""
+def kept_per_live(specs: Sequence[Any], config: Any, keep: bool) -> tuple[int, ...]:
+    """Per pool of ``config``, the idle blocks elastic pools keep per block in use: with
+    ``keep`` (``HYBRID_ALLOC_KEEP_STATE_PAGES``), the engine's rule
+    (``ElasticSizing.kept_per_live``: a Mamba pool's state factor less one); else none."""
+    if not keep:
+        return ()
     from hybrid_alloc import sizing
 
     kept = []

@@ -39,6 +39,9 @@ CPU_MAMBA2_ALIGN_FIX_ENV_VAR = "HYBRID_ALLOC_CPU_MAMBA2_ALIGN_FIX"
 ELASTIC_ENV_VAR = "HYBRID_ALLOC_ELASTIC_POOLS"
 ELASTIC_DEFAULT = True
 
+KEEP_STATE_PAGES_ENV_VAR = "HYBRID_ALLOC_KEEP_STATE_PAGES"
+KEEP_STATE_PAGES_DEFAULT = False
+
 PREFIX = "HYBRID_ALLOC_"
 SWITCHES = (
     ENV_VAR,
@@ -46,6 +49,7 @@ SWITCHES = (
     ELASTIC_ENV_VAR,
     CPU_GDN_SPEC_FIX_ENV_VAR,
     CPU_MAMBA2_ALIGN_FIX_ENV_VAR,
+    KEEP_STATE_PAGES_ENV_VAR,
 )
 # Read by the project's own scripts and tests (setup_env.sh, test.sh, conftest), not by the
 # plugin; they reach engine processes started by the tests, so they are not refused.
@@ -100,6 +104,17 @@ def elastic_pools_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(ELASTIC_ENV_VAR, environ, default=ELASTIC_DEFAULT)
 
 
+def keep_state_pages_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HYBRID_ALLOC_KEEP_STATE_PAGES`` makes elastic pools keep one idle state
+    page per live 'align'-mode state out of other pools' reach (unset: off; see the
+    README's "Under the step-time model" for where it wins and where it costs).
+
+    Raises:
+        ValueError: a value that is neither true-ish nor false-ish.
+    """
+    return _switch(KEEP_STATE_PAGES_ENV_VAR, environ, default=KEEP_STATE_PAGES_DEFAULT)
+
+
 def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX`` leaves the CPU GDN fix on (unset: on).
 
@@ -132,7 +147,7 @@ def _switch(name: str, environ: Mapping[str, str] | None, default: bool = True) 
     raise ValueError(
         f"{name}={raw!r} is not understood; valid values are: "
         + ", ".join(_TRUE[1:] + _FALSE)
-        + " (unset or empty: on)"
+        + f" (unset or empty: {'on' if default else 'off'})"
     )
 
 
@@ -156,3 +171,4 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     elastic_pools_enabled(env)
     cpu_gdn_spec_fix_enabled(env)
     cpu_mamba2_align_fix_enabled(env)
+    keep_state_pages_enabled(env)

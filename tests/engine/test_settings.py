@@ -28,6 +28,32 @@ def test_on_off_switches(name: str) -> None:
     assert all(v in message for v in ("1", "true", "0", "false", "off"))
 
 
+def test_keeping_state_pages_is_off_unless_asked() -> None:
+    """``HYBRID_ALLOC_KEEP_STATE_PAGES`` defaults to off (it costs memory where many short
+    requests run); the engine's elastic layout carries the kept pages only when it is on."""
+    from hybrid_alloc import sizing
+    from hybrid_alloc.integration import engine_sizing
+
+    name = settings.KEEP_STATE_PAGES_ENV_VAR
+    parse = settings.keep_state_pages_enabled
+    assert not parse({}) and not parse({name: ""}) and not parse({name: "0"})
+    assert parse({name: "1"}) and parse({name: "on"})
+    with pytest.raises(ValueError, match=name) as err:
+        parse({name: "maybe"})
+    assert "unset or empty: off" in str(err.value)
+    needs = (
+        sizing.GroupNeeds("attention", "growing", 16, 1, 4),
+        sizing.GroupNeeds("state", "fixed", 64, 1, 1, state_factor=2),
+    )
+    elastic = sizing.ElasticSizing(needs, 64, 8, 64, 512)
+    assert elastic.kept_per_live == (0, 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(name, raising=False)
+        assert engine_sizing._as_elastic_layout(elastic).kept_per_live == ()
+        mp.setenv(name, "1")
+        assert engine_sizing._as_elastic_layout(elastic).kept_per_live == (0, 1)
+
+
 def test_environment_with_only_known_names_passes() -> None:
     env = {
         settings.ENV_VAR: "vllm",
@@ -50,6 +76,7 @@ def test_environment_with_only_known_names_passes() -> None:
         ({settings.PER_GROUP_ENV_VAR: "2"}, settings.PER_GROUP_ENV_VAR),
         ({settings.CPU_GDN_SPEC_FIX_ENV_VAR: "auto"}, settings.CPU_GDN_SPEC_FIX_ENV_VAR),
         ({settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR: "x"}, settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR),
+        ({settings.KEEP_STATE_PAGES_ENV_VAR: "some"}, settings.KEEP_STATE_PAGES_ENV_VAR),
     ],
 )
 def test_bad_environment_is_refused(env: dict[str, str], named: str) -> None:

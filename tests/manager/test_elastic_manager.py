@@ -47,7 +47,7 @@ def elastic_config(layout: str, num_slabs: int) -> PerGroupKVCacheConfig:
         slab_bytes=slab,
         num_slabs=num_slabs,
         page_bytes=pages,
-        kept_per_live=kept_per_live(specs, config),
+        kept_per_live=kept_per_live(specs, config, keep=False),
     )
     return config
 

@@ -47,10 +47,11 @@ SPEC_TOKENS = 2
 """Speculative tokens per step: the Mamba group holds this many extra state blocks."""
 
 
-def elastic_config(num_slabs: int, slab_pages: int) -> PerGroupKVCacheConfig:
+def elastic_config(num_slabs: int, slab_pages: int, keep: bool = False) -> PerGroupKVCacheConfig:
     """Attention + a Mamba 'align' group with speculative state blocks over one budget.
     Slabs: ``slab_pages`` >= 1, that many times the pages' least common multiple; <= 0,
-    ``2 - slab_pages`` attention pages (the state pages do not fit evenly)."""
+    ``2 - slab_pages`` attention pages (the state pages do not fit evenly). ``keep``: the
+    state pool keeps a page per live state (``HYBRID_ALLOC_KEEP_STATE_PAGES``)."""
     specs = [attn(), state_mamba("align", speculative_blocks=SPEC_TOKENS)]
     config = per_group_config(specs, [2, 2])
     pages = tuple(specs[layout.group_ids[0]].page_size_bytes for layout in config.pool_layouts)
@@ -59,7 +60,7 @@ def elastic_config(num_slabs: int, slab_pages: int) -> PerGroupKVCacheConfig:
         slab_bytes=slab,
         num_slabs=num_slabs,
         page_bytes=pages,
-        kept_per_live=kept_per_live(specs, config),
+        kept_per_live=kept_per_live(specs, config, keep),
     )
     return config
 
@@ -91,9 +92,9 @@ class StepOrderMachine(CountingMachine):
         self.loads_with_spec = 0
         self.refused = 0
 
-    @initialize(num_slabs=st.integers(4, 10), slab_pages=st.integers(1, 3))
-    def setup(self, num_slabs: int, slab_pages: int) -> None:
-        self.mgr = per_group_manager(elastic_config(num_slabs, slab_pages))
+    @initialize(num_slabs=st.integers(4, 10), slab_pages=st.integers(1, 3), keep=st.booleans())
+    def setup(self, num_slabs: int, slab_pages: int, keep: bool = False) -> None:
+        self.mgr = per_group_manager(elastic_config(num_slabs, slab_pages, keep))
         assert isinstance(self.mgr.coordinator, PerGroupPoolsMixin)
         self.pools = self.mgr.coordinator.pool_set
 
@@ -223,30 +224,47 @@ def drive(m: StepOrderMachine, rng: random.Random, steps: int) -> None:
 
 
 @settings(max_examples=budget(25), deadline=None)
-@given(seed=st.integers(0, 10_000), num_slabs=st.integers(3, 8), slab_pages=st.integers(-3, 2))
+@given(
+    seed=st.integers(0, 10_000),
+    num_slabs=st.integers(3, 8),
+    slab_pages=st.integers(-3, 2),
+    keep=st.booleans(),
+)
 def test_loads_meet_spec_blocks_and_every_admitted_step_is_served(
-    seed: int, num_slabs: int, slab_pages: int
+    seed: int, num_slabs: int, slab_pages: int, keep: bool
 ) -> None:
     """Random steps where loaded-token blocks and new speculative state blocks meet in
-    one call, under memory pressure and over slabs of several shapes: each is refused or
-    served."""
+    one call, under memory pressure and over slabs of several shapes, with and without
+    state pages kept for live states: each is refused or served."""
     m = StepOrderMachine()
-    m.setup(num_slabs=num_slabs, slab_pages=slab_pages)
+    m.setup(num_slabs=num_slabs, slab_pages=slab_pages, keep=keep)
     drive(m, random.Random(seed), 50)
 
 
 def test_the_step_a_merged_plan_admits_and_vllm_order_runs_short_is_served() -> None:
     """A sequence found where planning each group's loaded-token and new blocks as one
-    ask (the merged plan) admits request r24 (32 loaded tokens, 81 new, speculative
+    ask (the merged plan) admits request r18 (32 loaded tokens, 81 new, speculative
     lookahead), and vLLM's order (every group's loaded-token blocks, then every group's
-    new blocks) then runs a pool short (searched again once the state pool kept a page
-    per live state, which changed the earlier sequence's reclaims). Admitted as a
-    reservation, the step is served (or refused); both kinds of step are counted."""
-    rng = random.Random(192)
-    # The search drew the budget's shape from the same generator: 5 slabs of 3
+    new blocks) then runs the state pool short: a Mamba group's loaded-token block takes
+    the last unowned slab the attention group's new blocks were planned on. Admitted as
+    a reservation, the step is served (or refused); both kinds of step are counted."""
+    rng = random.Random(242)
+    # The search drew the budget's shape from the same generator: 5 slabs of 5
     # attention pages.
+    assert (rng.randrange(3, 9), rng.randrange(-3, 3)) == (5, -3)
+    m = StepOrderMachine()
+    m.setup(num_slabs=5, slab_pages=-3)
+    drive(m, rng, 50)
+    assert m.loads_with_spec > 0 and m.refused > 0, (m.loads_with_spec, m.refused)
+
+
+def test_with_kept_state_pages_the_step_the_merged_plan_admits_is_served() -> None:
+    """The same with the state pool keeping a page per live state: a sequence found with
+    the merged plan (request r24: 32 loaded tokens, 81 new, speculative lookahead) where
+    vLLM's order runs a pool short; admitted as a reservation, it is served."""
+    rng = random.Random(192)
     assert (rng.randrange(3, 9), rng.randrange(-3, 3)) == (5, -1)
     m = StepOrderMachine()
-    m.setup(num_slabs=5, slab_pages=-1)
+    m.setup(num_slabs=5, slab_pages=-1, keep=True)
     drive(m, rng, 50)
     assert m.loads_with_spec > 0 and m.refused > 0, (m.loads_with_spec, m.refused)

@@ -483,12 +483,15 @@ def _set_tp_replicas(
 
 
 def _as_elastic_layout(result: sizing.ElasticSizing) -> ElasticLayout:
-    """The budget as the scheduler's pool set and the workers read it."""
+    """The budget as the scheduler's pool set and the workers read it; state pages kept
+    for live states only where ``HYBRID_ALLOC_KEEP_STATE_PAGES`` asks for them."""
+    from hybrid_alloc.settings import keep_state_pages_enabled
+
     return ElasticLayout(
         slab_bytes=result.slab_bytes,
         num_slabs=result.num_slabs,
         page_bytes=result.page_bytes,
-        kept_per_live=result.kept_per_live,
+        kept_per_live=result.kept_per_live if keep_state_pages_enabled() else (),
     )
 
 
