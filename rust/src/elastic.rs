@@ -199,12 +199,15 @@ impl Virtual<'_> {
     fn victims(&self, g: GroupIndex, want: usize) -> Vec<SlabId> {
         let budget = self.budget;
         let groups = budget.num_groups();
+        let others = |s: &SlabId| budget.owner(*s) != Some(g) && self.is_idle(*s);
+        if (0..groups).all(|h| h == g || budget.kept_per_live(h) == 0) {
+            // Nobody keeps pages (the default): the idle slabs in order, nothing counted.
+            return budget.idle_slabs().filter(others).take(want).collect();
+        }
         let mut idle_left = vec![0u64; groups];
-        if (0..groups).any(|h| h != g && budget.kept_per_live(h) > 0) {
-            for s in budget.idle_slabs().filter(|&s| self.is_idle(s)) {
-                if let Some(h) = budget.owner(s) {
-                    idle_left[h] += 1;
-                }
+        for s in budget.idle_slabs().filter(|&s| self.is_idle(s)) {
+            if let Some(h) = budget.owner(s) {
+                idle_left[h] += 1;
             }
         }
         let kept: Vec<u64> = (0..groups)
