@@ -15,6 +15,13 @@
 * ``HYBRID_ALLOC_CPU_MAMBA2_ALIGN_FIX``: on vLLM 0.32 CPU platforms, whether the plugin
   gives the Mamba2 layers the mid-prefill checkpoints of 'align' mode (prefix caching)
   (default on; :mod:`hybrid_alloc.integration.cpu_mamba2_align`). Both backends.
+* ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: with per-group pools and Mamba 'align' mode (prefix
+  caching), whether attention and Mamba/GDN blocks stay at the configured block size (``1``)
+  rather than vLLM's hybrid block size, one state page long (default off: fine blocks give
+  finer prefix hits but move each state to a new page every block, and under memory
+  pressure that preempts far more than stock; see the README).
+* ``HYBRID_ALLOC_KEEP_STATE_PAGES``: with elastic pools and fine 'align' blocks, whether a
+  state pool keeps one idle page per live state out of other pools' reach (default off).
 
 Any other ``HYBRID_ALLOC_*`` variable is refused at startup (:func:`check_environment`): a
 misspelt switch would otherwise leave its setting on the default without a word.
@@ -42,6 +49,9 @@ ELASTIC_DEFAULT = True
 KEEP_STATE_PAGES_ENV_VAR = "HYBRID_ALLOC_KEEP_STATE_PAGES"
 KEEP_STATE_PAGES_DEFAULT = False
 
+FINE_ALIGN_BLOCKS_ENV_VAR = "HYBRID_ALLOC_FINE_ALIGN_BLOCKS"
+FINE_ALIGN_BLOCKS_DEFAULT = False
+
 PREFIX = "HYBRID_ALLOC_"
 SWITCHES = (
     ENV_VAR,
@@ -50,6 +60,7 @@ SWITCHES = (
     CPU_GDN_SPEC_FIX_ENV_VAR,
     CPU_MAMBA2_ALIGN_FIX_ENV_VAR,
     KEEP_STATE_PAGES_ENV_VAR,
+    FINE_ALIGN_BLOCKS_ENV_VAR,
 )
 # Read by the project's own scripts and tests (setup_env.sh, test.sh, conftest), not by the
 # plugin; they reach engine processes started by the tests, so they are not refused.
@@ -115,6 +126,16 @@ def keep_state_pages_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(KEEP_STATE_PAGES_ENV_VAR, environ, default=KEEP_STATE_PAGES_DEFAULT)
 
 
+def fine_align_blocks_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` keeps 'align'-mode blocks at the configured
+    block size under per-group pools (unset: off, vLLM's hybrid block size is used).
+
+    Raises:
+        ValueError: a value that is neither true-ish nor false-ish.
+    """
+    return _switch(FINE_ALIGN_BLOCKS_ENV_VAR, environ, default=FINE_ALIGN_BLOCKS_DEFAULT)
+
+
 def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HYBRID_ALLOC_CPU_GDN_SPEC_FIX`` leaves the CPU GDN fix on (unset: on).
 
@@ -172,3 +193,4 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     cpu_gdn_spec_fix_enabled(env)
     cpu_mamba2_align_fix_enabled(env)
     keep_state_pages_enabled(env)
+    fine_align_blocks_enabled(env)

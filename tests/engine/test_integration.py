@@ -11,38 +11,67 @@ from tests.helpers import fake_vllm_config, kv_connector
 
 
 def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own rule (padding included) where the engine core sizes vLLM's shared pool: a
+    configuration per-group pools do not serve, or 'align' mode where the rule raises the
+    block size (a state page larger than an attention block). Where it does not raise it,
+    its changes are undone and pages stay natural; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 never
+    runs it."""
+    from vllm.platforms.interface import Platform
+
+    from hybrid_alloc.integration import worker
+
+    calls: list[Any] = []
+    raised = {"block": 64}
+
+    def stock_align(cls: Any, vllm_config: Any, backend: Any) -> None:
+        calls.append(vllm_config)
+        cache = vllm_config.cache_config
+        cache.block_size = max(cache.block_size, raised["block"])
+        cache.mamba_block_size = cache.block_size
+        cache.mamba_page_size_padded = 12345
+
+    monkeypatch.setattr(worker, "_stock_align", classmethod(stock_align))
+    monkeypatch.delenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", raising=False)
+    cfg = fake_vllm_config("align", caching=True)
+    cache = cfg.cache_config
+
+    def run() -> tuple[int, int | None, int | None]:
+        cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, None
+        Platform._align_hybrid_block_size(cfg, None)
+        return cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded
+
+    worker.install()
+    try:
+        assert run() == (64, 64, 12345)  # raised: vLLM's layout kept
+        raised["block"] = 16
+        assert run() == (16, 16, None)  # not raised: undone, natural pages
+        assert len(calls) == 2
+        monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
+        raised["block"] = 64
+        assert run() == (16, 16, None) and len(calls) == 2
+        cfg.kv_transfer_config = kv_connector()
+        assert run() == (64, 64, 12345) and len(calls) == 3
+    finally:
+        worker.uninstall()
+
+
+def test_worker_hook_keeps_natural_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 'align' mode keeps the configured block size
+    (vLLM's rule is not run) and Mamba pages stay unpadded."""
     from vllm.platforms.interface import Platform
 
     from hybrid_alloc.integration import worker
 
     calls: list[Any] = []
     monkeypatch.setattr(worker, "_stock_align", classmethod(lambda c, v, b: calls.append(v)))
-    cfg = fake_vllm_config("align", caching=True)
-    cfg.cache_config.block_size = 16
-    cfg.cache_config.mamba_page_size_padded = None
-    worker.install()
-    try:
-        Platform._align_hybrid_block_size(cfg, None)
-        assert calls == []
-        cfg.kv_transfer_config = kv_connector()
-        Platform._align_hybrid_block_size(cfg, None)
-        assert calls == [cfg]
-    finally:
-        worker.uninstall()
-
-
-def test_worker_hook_keeps_natural_pages() -> None:
-
-    from vllm.platforms.interface import Platform
-
-    from hybrid_alloc.integration import worker
-
+    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
     cfg = fake_vllm_config("align", caching=True)
     cache = cfg.cache_config
     cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, 9
     worker.install()
     try:
         Platform._align_hybrid_block_size(cfg, None)
+        assert calls == []
         assert (cache.block_size, cache.mamba_block_size) == (16, 16)
         assert cache.mamba_page_size_padded is None
         assert worker.is_installed()

@@ -28,6 +28,18 @@ def test_on_off_switches(name: str) -> None:
     assert all(v in message for v in ("1", "true", "0", "false", "off"))
 
 
+def test_fine_align_blocks_are_off_unless_asked() -> None:
+    """``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` defaults to off (the worker hook's use of it:
+    ``tests/engine/test_integration.py``)."""
+    name = settings.FINE_ALIGN_BLOCKS_ENV_VAR
+    parse = settings.fine_align_blocks_enabled
+    assert not parse({}) and not parse({name: ""}) and not parse({name: "0"})
+    assert parse({name: "1"}) and parse({name: "yes"})
+    with pytest.raises(ValueError, match=name) as err:
+        parse({name: "maybe"})
+    assert "unset or empty: off" in str(err.value)
+
+
 def test_keeping_state_pages_is_off_unless_asked() -> None:
     """``HYBRID_ALLOC_KEEP_STATE_PAGES`` defaults to off (it costs memory where many short
     requests run); the engine's elastic layout carries the kept pages only when it is on."""
@@ -77,6 +89,7 @@ def test_environment_with_only_known_names_passes() -> None:
         ({settings.CPU_GDN_SPEC_FIX_ENV_VAR: "auto"}, settings.CPU_GDN_SPEC_FIX_ENV_VAR),
         ({settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR: "x"}, settings.CPU_MAMBA2_ALIGN_FIX_ENV_VAR),
         ({settings.KEEP_STATE_PAGES_ENV_VAR: "some"}, settings.KEEP_STATE_PAGES_ENV_VAR),
+        ({settings.FINE_ALIGN_BLOCKS_ENV_VAR: "16"}, settings.FINE_ALIGN_BLOCKS_ENV_VAR),
     ],
 )
 def test_bad_environment_is_refused(env: dict[str, str], named: str) -> None:

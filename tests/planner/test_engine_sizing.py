@@ -219,10 +219,26 @@ def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sizing.unsupported_reason(cfg, [two_attention]) is None
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
     assert "several attention pools" in (sizing.unsupported_reason(cfg, [two_attention]) or "")
-    assert sizing.unsupported_reason(cfg, [qwen_like_specs("align")]) is None
+    natural = {"l.0": small_mamba("align"), "l.1": attention()}
+    assert sizing.unsupported_reason(cfg, [natural]) is None
     cfg.use_v2_model_runner = True
     assert "V2" in (sizing.config_unsupported_reason(cfg) or "")
     assert sizing.config_unsupported_reason(small_engine_config("none")) is None
+
+
+def test_padded_align_pages_keep_vllms_layout() -> None:
+    """'align' Mamba pages the workers padded (their hook kept vLLM's layout: a state page
+    larger than an attention block) send the engine core to vLLM's shared pool; the same
+    pages unpadded, or padded in 'none' mode, get per-group pools."""
+    from hybrid_alloc.integration import engine_sizing as sizing
+
+    cfg = small_engine_config("align", caching=True)
+    reason = sizing.unsupported_reason(cfg, [qwen_like_specs("align")])
+    assert reason is not None and "'align'" in reason and "FINE_ALIGN_BLOCKS" in reason
+    natural = {"l.0": small_mamba("align"), "l.1": attention()}
+    assert sizing.unsupported_reason(cfg, [natural]) is None
+    none_cfg = small_engine_config("none")
+    assert sizing.unsupported_reason(none_cfg, [qwen_like_specs("none")]) is None
 
 
 def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,7 +85,11 @@ def test_random_traces_finish_without_leaks(
         max_model_len=SMALL_MAX_MODEL_LEN,
     )
     # A bound on steps: a layout that can never admit a request fails instead of hanging.
-    result = sim.simulate(name, config, trace, layouts=sim.ALL_LAYOUTS, max_steps=100_000)
+    # Per-group pools in 'align' mode run on these models only at the configured block
+    # size (test_align_mode_default_is_vllms_layout has the default).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
+        result = sim.simulate(name, config, trace, layouts=sim.ALL_LAYOUTS, max_steps=100_000)
     for layout, r in result.layouts.items():
         if layout == "elastic" and r.error and "one " in r.error and "request needs" in r.error:
             continue  # refused at startup, as vLLM refuses a budget without one request
@@ -136,11 +140,16 @@ def test_random_traces_finish_without_leaks(
         "zamba2-2.7b",
     ],
 )
-def test_layouts_are_the_planned_ones(name: str, mode: str) -> None:
+def test_layouts_are_the_planned_ones(
+    name: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The simulator builds what the capacity planner predicts for both layouts: stock's
     block size and shared-pool blocks (vLLM's own platform alignment and sizing), the
-    per-group pools' sizes (this package's sizing)."""
+    per-group pools' sizes (this package's sizing; in 'align' mode per-group pools of these
+    models run only with HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1, what the planner's 'ours' is)."""
     from hybrid_alloc.planner import load_model, plan
+
+    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
 
     sim = _sim()
     model = load_model(name)
@@ -162,6 +171,36 @@ def test_layouts_are_the_planned_ones(name: str, mode: str) -> None:
     (shared,) = stock.pools
     assert memory - shared.block_bytes < shared.num_blocks * shared.block_bytes <= memory
     assert sum(pool.num_blocks * pool.block_bytes for pool in ours.pools) <= memory
+
+
+def test_align_mode_default_is_vllms_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'align' mode on a full-size model: the engine keeps vLLM's layout (the worker hook,
+    then the engine core's sizing) on the Rust pool, so the default layout makes stock's
+    decisions step for step; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 gives per-group pools at
+    16-token blocks."""
+    from hybrid_alloc.traces import prefix_trace
+
+    sim = _sim()
+    monkeypatch.delenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", raising=False)
+    config = sim.SimSettings(
+        memory=384 << 20, mamba_cache_mode="align", max_num_seqs=16, max_model_len=8192
+    )
+    trace = prefix_trace(num_requests=60)
+    result = sim.simulate("qwen3.5-0.8b", config, trace, layouts=("stock", "elastic"))
+    stock, ours = result.layouts["stock"], result.layouts["elastic"]
+    assert stock.ok and ours.ok, (stock.error, ours.error)
+    assert ours.note is not None and "vLLM's shared layout on the Rust pool" in ours.note
+    assert "vLLM's shared layout" in sim.format_result(result)
+    assert [(p.kind, p.num_blocks, p.block_size) for p in ours.pools] == [
+        (p.kind, p.num_blocks, p.block_size) for p in stock.pools
+    ]
+    assert ours.attention_block_size == stock.attention_block_size > 16
+    for key in ("steps", "preemptions", "prefix_hits", "generated_tokens", "computed_tokens"):
+        assert getattr(ours, key) == getattr(stock, key), key
+    assert stock.prefix_hits > 0 and stock.preemptions > 0
+    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
+    fine = sim.simulate("qwen3.5-0.8b", config, trace, layouts=("elastic",)).layouts["elastic"]
+    assert fine.ok and fine.note is None and fine.attention_block_size == 16
 
 
 def test_refusals_are_reported_not_raised() -> None:

@@ -166,6 +166,13 @@ def spec_unsupported_reason(
         return "not a hybrid of Mamba/GDN and attention layers"
     if any(s.mamba_cache_mode == "all" for s in mamba):
         return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
+    if any(s.mamba_cache_mode == "align" and s.page_size_padded is not None for s in mamba):
+        # The workers' hook (worker._keeps_shared_align_layout) kept vLLM's layout.
+        return (
+            "Mamba 'align' mode with state pages larger than an attention block (the "
+            "workers kept vLLM's layout; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 runs per-group "
+            "pools at the configured block size)"
+        )
     if not all(isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in other):
         return "attention layers other than full or sliding-window attention"
     if gpu_worker and len(set(other)) > 1:

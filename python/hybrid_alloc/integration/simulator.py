@@ -216,6 +216,8 @@ class LayoutResult:
 
     layout: str
     error: str | None = None
+    note: str | None = None
+    """Set where the engine runs another layout than the one named (:class:`SimEngine`)."""
     pools: list[PoolInfo] = field(default_factory=list)
     kv_cache_size_tokens: int | None = None
     max_concurrency: float | None = None
@@ -631,6 +633,8 @@ class SimEngine:
     scheduler: Any
     block_hasher: Callable[[Any], Any] | None
     hash_block_size: int
+    note: str | None = None
+    """Where this package's engine does not run ``layout`` for the model, what it runs."""
 
     def pools(self) -> list[Any]:
         """The block pools the scheduler allocates from."""
@@ -711,10 +715,18 @@ def build_engine(
         # The engine core's own sizing: the static split or elastic pools, as the
         # HYBRID_ALLOC_ELASTIC_POOLS switch picks them (capacity from the same model).
         kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
-    if layout == "elastic":
+    note = None
+    if layout != "stock":
+        from hybrid_alloc.integration.engine_sizing import unsupported_reason
         from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
-        if not isinstance(kv_cache_config, PerGroupKVCacheConfig) or not kv_cache_config.elastic:
+        reason = unsupported_reason(vllm_config, [specs])
+        if reason is not None and not isinstance(kv_cache_config, PerGroupKVCacheConfig):
+            # What the engine runs here: vLLM's layout on the Rust pool.
+            note = f"vLLM's shared layout on the Rust pool, as the engine runs it: {reason}"
+        elif layout == "elastic" and (
+            not isinstance(kv_cache_config, PerGroupKVCacheConfig) or not kv_cache_config.elastic
+        ):
             raise ValueError("elastic pools: per-group pools do not serve this model")
     structured = StructuredOutputManager(vllm_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
@@ -735,7 +747,7 @@ def build_engine(
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(hash_block_size, hash_fn)
-    return SimEngine(layout, vllm_config, kv_cache_config, scheduler, hasher, hash_block_size)
+    return SimEngine(layout, vllm_config, kv_cache_config, scheduler, hasher, hash_block_size, note)
 
 
 @contextlib.contextmanager
@@ -1161,6 +1173,7 @@ def run_layout(
             engine, requests, settings.step_ms, waves, max_steps, on_step, step_cost
         )
         result.build_s = build_s
+        result.note = engine.note
         result.pools = engine.describe_pools()
         cache = engine.vllm_config.cache_config
         result.kv_cache_size_tokens = getattr(cache, "kv_cache_size_tokens", None)
@@ -1277,6 +1290,8 @@ def format_result(result: SimResult) -> str:
     for name, r in result.layouts.items():
         if r.error:
             lines.append(f"{name}: not simulated: {r.error}")
+        elif r.note:
+            lines.append(f"{name}: {r.note}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,13 @@ called from ``update_block_size_for_backend`` in the worker process) raises the
 attention block size until one attention page covers a Mamba page and pads Mamba pages
 to it ("Padding mamba page size by X%"). With one pool per group no page has to match
 another group's, so the hook here skips both and keeps only what 'align' mode needs
-(Mamba blocks as long as attention blocks, the prefix-cache granularity). Engines whose
+(Mamba blocks as long as attention blocks, the prefix-cache granularity). In 'align' mode
+where vLLM's rule raises the block size (a state page is larger than an attention block:
+every full-size model), the hook keeps vLLM's layout, padding included, and the engine core
+sizes vLLM's shared pool: at the configured block size a state would move to a new page
+many attention pages large at every block boundary, which under memory pressure preempts
+far more often than stock (``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1`` runs per-group pools there
+all the same). Engines whose
 configuration per-group pools do not serve (``sizing.config_unsupported_reason``) keep
 vLLM's hook: their engine core sizes vLLM's shared pool, which needs the padding.
 
@@ -35,8 +41,9 @@ config goes to vLLM's code unchanged):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
@@ -49,6 +56,7 @@ from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 logger = init_logger("vllm.hybrid_alloc")
 
 _ATTR = "_align_hybrid_block_size"
+_PLATFORM_LOGGER = "vllm.platforms.interface"
 _stock_align: Any = Platform.__dict__[_ATTR]
 
 
@@ -60,6 +68,10 @@ def _align_without_padding(cls: Any, vllm_config: Any, backend_cls: Any) -> None
         _stock_align.__func__(cls, vllm_config, backend_cls)
         return
     cache_config = vllm_config.cache_config
+    if cache_config.mamba_cache_mode == "align" and _keeps_shared_align_layout(
+        cls, vllm_config, backend_cls
+    ):
+        return
     if cache_config.mamba_cache_mode == "align":
         # Prefix-cache hits land on Mamba block boundaries; vLLM ties them to the
         # attention block size (``Platform._align_hybrid_block_size`` does the same).
@@ -70,6 +82,60 @@ def _align_without_padding(cls: Any, vllm_config: Any, backend_cls: Any) -> None
         "Mamba/GDN pages are not padded",
         cache_config.block_size,
     )
+
+
+def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> bool:
+    """'align' mode: whether vLLM's shared layout is kept, as vLLM's own rule lays it out
+    (then it has been applied). So it is where that rule raises the attention block size
+    (a Mamba/GDN state page is larger than an attention block) and
+    ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` is off. At the configured block size a state would
+    move to a new page, many attention pages large, at every block boundary, which under
+    memory pressure preempts far more often than stock; at the raised size per-group pools
+    have stock's blocks, crossings and prefix hits, and nothing to gain over its pool."""
+    from hybrid_alloc.settings import fine_align_blocks_enabled
+
+    if fine_align_blocks_enabled():
+        return False
+    cache_config = vllm_config.cache_config
+    configured = (
+        cache_config.block_size,
+        cache_config.mamba_block_size,
+        cache_config.mamba_page_size_padded,
+    )
+    # vLLM's log lines are dropped while it decides: where its layout is not kept they
+    # would announce a block size and padding that are then undone.
+    with _quiet(_PLATFORM_LOGGER):
+        _stock_align.__func__(cls, vllm_config, backend_cls)
+    if cache_config.block_size > configured[0]:
+        logger.info(
+            "hybrid_alloc: Mamba 'align' mode: vLLM's shared KV-cache layout kept (attention "
+            "blocks raised from %d to %d tokens, Mamba/GDN pages padded to them): a state "
+            "page is larger than a %d-token attention block, and per-group pools at that "
+            "size would preempt more than stock under memory pressure "
+            "(HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 runs them)",
+            configured[0],
+            cache_config.block_size,
+            configured[0],
+        )
+        return True
+    (
+        cache_config.block_size,
+        cache_config.mamba_block_size,
+        cache_config.mamba_page_size_padded,
+    ) = configured
+    return False
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Raise logger ``name`` to WARNING for the block (its INFO lines are dropped)."""
+    target = logging.getLogger(name)
+    level = target.level
+    target.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        target.setLevel(level)
 
 
 def _per_group(config: Any) -> PerGroupKVCacheConfig | None:
