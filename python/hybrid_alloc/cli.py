@@ -287,6 +287,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"hybrid-alloc plan: {exc}", file=sys.stderr)
         return 1
     report(result)
+    if args.mamba_cache_mode == "align" and result.stock.block_size > args.block_size:
+        # The worker hook (integration/worker.py) keeps vLLM's layout here.
+        print(
+            f"\nnote: in 'align' mode vLLM raises the block size to {result.stock.block_size} "
+            "tokens for this model, so the engine runs the stock layout above (vLLM's "
+            "shared pool, on the Rust pool); 'ours' is what HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 "
+            "runs"
+        )
     if args.plot:
         title = (
             f"{model.name}: {format_bytes(args.memory)} KV, max_num_seqs {args.max_num_seqs}, "

@@ -534,7 +534,12 @@ def test_cli_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     args = ["plan", "qwen3.5-0.8b", "--memory", "24GiB", "--mamba-cache-mode", "align"]
     assert main([*args, "--num-speculative-tokens", "1", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"wrote {png}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"wrote {png}" in out
+    # 'align' mode: the engine keeps vLLM's layout where vLLM raises the block size.
+    assert "the engine runs the stock layout above" in out
+    assert main(["plan", "qwen3.5-0.8b", "--memory", "24GiB"]) == 0
+    assert "the engine runs the stock layout" not in capsys.readouterr().out
 
 
 def test_cli_config_folder_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
