@@ -43,6 +43,14 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
     worker.install()
     try:
         assert run() == (64, 64, 12345)  # raised: vLLM's layout kept
+        # Workers run the hook more than once: a second run keeps it.
+        Platform._align_hybrid_block_size(cfg, None)
+        assert (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded) == (
+            64,
+            64,
+            12345,
+        )
+        calls.pop()
         raised["block"] = 16
         assert run() == (16, 16, None)  # not raised: undone, natural pages
         assert len(calls) == 2

@@ -106,6 +106,10 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
     # would announce a block size and padding that are then undone.
     with _quiet(_PLATFORM_LOGGER):
         _stock_align.__func__(cls, vllm_config, backend_cls)
+    if configured[2] is not None and cache_config.block_size == configured[0]:
+        # An earlier call kept vLLM's layout (workers run the hook more than once): only
+        # vLLM's rule pads, and where it is not kept the padding is undone.
+        return True
     if cache_config.block_size > configured[0]:
         logger.info(
             "hybrid_alloc: Mamba 'align' mode: vLLM's shared KV-cache layout kept (attention "
