@@ -8,7 +8,7 @@ to it ("Padding mamba page size by X%"). With one pool per group no page has to 
 another group's, so the hook here skips both and keeps only what 'align' mode needs
 (Mamba blocks as long as attention blocks, the prefix-cache granularity). In 'align' mode
 where vLLM's rule raises the block size (a state page is larger than an attention block:
-every full-size model), the hook keeps vLLM's layout, padding included, and the engine core
+nearly every full-size model), the hook keeps vLLM's layout, padding included, and the engine core
 sizes vLLM's shared pool: at the configured block size a state would move to a new page
 many attention pages large at every block boundary, which under memory pressure preempts
 far more often than stock (``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1`` runs per-group pools there
