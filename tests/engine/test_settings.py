@@ -28,31 +28,31 @@ def test_on_off_switches(name: str) -> None:
     assert all(v in message for v in ("1", "true", "0", "false", "off"))
 
 
-def test_fine_align_blocks_are_off_unless_asked() -> None:
-    """``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` defaults to off (the worker hook's use of it:
-    ``tests/engine/test_integration.py``)."""
-    name = settings.FINE_ALIGN_BLOCKS_ENV_VAR
-    parse = settings.fine_align_blocks_enabled
+OFF_SWITCH_PARSERS = {
+    # The worker hook's use of it: tests/engine/test_integration.py.
+    settings.FINE_ALIGN_BLOCKS_ENV_VAR: settings.fine_align_blocks_enabled,
+    # Costs memory where many short requests run; the layout's use of it below.
+    settings.KEEP_STATE_PAGES_ENV_VAR: settings.keep_state_pages_enabled,
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFF_SWITCH_PARSERS))
+def test_off_unless_asked_switches(name: str) -> None:
+    parse = OFF_SWITCH_PARSERS[name]
     assert not parse({}) and not parse({name: ""}) and not parse({name: "0"})
-    assert parse({name: "1"}) and parse({name: "yes"})
+    assert parse({name: "1"}) and parse({name: "yes"}) and parse({name: " On "})
     with pytest.raises(ValueError, match=name) as err:
         parse({name: "maybe"})
     assert "unset or empty: off" in str(err.value)
 
 
-def test_keeping_state_pages_is_off_unless_asked() -> None:
-    """``HYBRID_ALLOC_KEEP_STATE_PAGES`` defaults to off (it costs memory where many short
-    requests run); the engine's elastic layout carries the kept pages only when it is on."""
+def test_kept_state_pages_reach_the_layout_only_when_asked() -> None:
+    """The engine's elastic layout carries the kept pages only with
+    ``HYBRID_ALLOC_KEEP_STATE_PAGES`` on."""
     from hybrid_alloc import sizing
     from hybrid_alloc.integration import engine_sizing
 
     name = settings.KEEP_STATE_PAGES_ENV_VAR
-    parse = settings.keep_state_pages_enabled
-    assert not parse({}) and not parse({name: ""}) and not parse({name: "0"})
-    assert parse({name: "1"}) and parse({name: "on"})
-    with pytest.raises(ValueError, match=name) as err:
-        parse({name: "maybe"})
-    assert "unset or empty: off" in str(err.value)
     needs = (
         sizing.GroupNeeds("attention", "growing", 16, 1, 4),
         sizing.GroupNeeds("state", "fixed", 64, 1, 1, state_factor=2),
