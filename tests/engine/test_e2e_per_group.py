@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -54,8 +55,8 @@ def test_e2e_mamba_none_mode(family: str, tiny_models: dict[str, Any], tmp_path:
 )
 def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: Any) -> None:
     """Prefix caching ('align' mode), the memory of a 20-block attention pool's static
-    split lent elastically (at least 20 attention pages) and one request at a time:
-    cached prefixes are evicted and hit across two waves, no preemption."""
+    split lent elastically (every slab of it could hold attention pages) and one request at
+    a time: cached prefixes are evicted and hit across two waves, no preemption."""
     pair = run_pair(
         tiny_models["qwen3_next"],
         tmp_path,
@@ -65,8 +66,16 @@ def test_e2e_align_mode_under_eviction(tiny_models: dict[str, Any], tmp_path: An
     ours = pair["per_group"]
     assert ours["metrics"]["prefix_cache_hits"] > 0
     assert ours["metrics"]["block_reuses"] > 0  # cached blocks were evicted and reused
-    assert ours["capacity"]["num_gpu_blocks"] >= 20
-    assert ours["probe"]["before_reset"]["elastic"]["num_slabs"] > 0
+    budget = ours["probe"]["before_reset"]["elastic"]
+    found = re.search(r"group (\d+) FullAttentionSpec x", ours["log_text"])
+    assert found, "no full-attention group in the elastic sizing line"
+    attention = int(found.group(1))
+    # vLLM's block count is the attention pool's: every slab of the budget turned into
+    # attention pages, and the budget holds the static split's 20 attention blocks.
+    assert ours["capacity"]["num_gpu_blocks"] == (
+        budget["num_slabs"] * budget["pages_per_slab"][attention]
+    )
+    assert budget["num_slabs"] * budget["slab_bytes"] >= 20 * budget["page_bytes"][attention]
 
 
 # Nemotron-H in float32 with short prompts that grow by 300-600 tokens: blocks run out

@@ -194,6 +194,8 @@ class ProbeScheduler(Scheduler):
                     "fully_free": budget.num_fully_free,
                     "owned": [budget.num_owned(g) for g in groups],
                     "live_pages": [budget.num_live_pages(g) for g in groups],
+                    "page_bytes": [budget.page_bytes(g) for g in groups],
+                    "pages_per_slab": [budget.pages_per_slab(g) for g in groups],
                     # (slabs granted, slabs given back to another pool) per pool.
                     "owner_changes": [list(budget.owner_changes(g)) for g in groups],
                 }
