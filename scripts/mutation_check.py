@@ -5,11 +5,13 @@
 For each mutant (all by default) the script copies the sources into a scratch directory,
 applies one small textual change (it must apply exactly once, or the check stops with an
 error), builds the extension there when the change is in Rust (the shipped `.so` is copied
-for Python mutants), and runs the mutant's named tests against that copy. A mutant counts
-as *caught* only when at least one of its named tests reports a test failure (pytest's
-``<failure>``: an assertion, a failed ``pytest.raises``, a state machine's falsified
-invariant); a build error, a collection error or a setup error is a broken harness, not a
-catch, and stops the check with exit status 2. Any surviving mutant makes the exit status 1.
+for Python mutants), and runs the mutant's named tests against that copy: pytest files, or
+the core's own tests (``cargo:FILTER``, run with ``cargo test --lib``, no extension built).
+A mutant counts as *caught* only when at least one of its named tests reports a test
+failure (pytest's ``<failure>``: an assertion, a failed ``pytest.raises``, a state machine's
+falsified invariant; a failed cargo test); a build error, a collection error or a setup
+error is a broken harness, not a catch, and stops the check with exit status 2. Any
+surviving mutant makes the exit status 1.
 
 Run by ``scripts/test.sh`` after the test suite (the unmutated tests must pass first).
 """
@@ -40,10 +42,22 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]
+    """pytest paths, or ``cargo:FILTER`` for the core's own tests (``cargo test --lib``)."""
 
     @property
     def in_rust(self) -> bool:
         return self.path.startswith("rust/")
+
+    @property
+    def pytest_paths(self) -> tuple[str, ...]:
+        return tuple(t for t in self.tests if not t.startswith(CARGO))
+
+    @property
+    def cargo_filters(self) -> tuple[str, ...]:
+        return tuple(t.removeprefix(CARGO) for t in self.tests if t.startswith(CARGO))
+
+
+CARGO = "cargo:"
 
 
 MUTANTS = (
@@ -107,8 +121,9 @@ MUTANTS = (
         "rust/src/byte_budget.rs",
         "        if self.live[s as usize] > 0 {\n            return Err(",
         "        if self.live[s as usize] > u32::MAX - 1 {\n            return Err(",
-        # ByteBudgetMachine.release: "a refused release" (pytest.raises) and the owner check.
-        ("tests/pool_set/test_byte_budget.py",),
+        # The core's budget tests: a refused release of a live slab, and the random walk's
+        # "release refused" / "refused release" checks against its plain model.
+        ("cargo:byte_budget::tests",),
     ),
     Mutant(
         "admission-merged-order",
@@ -209,8 +224,33 @@ def build_extension(tree: Path, target: Path) -> None:
     raise HarnessError(f"no extension module in {wheel.name}")
 
 
+def run_cargo_tests(mutant: Mutant, tree: Path, target: Path) -> tuple[bool, str]:
+    """Run the core's tests matching the mutant's filters; (caught, what failed). A build
+    error is a broken harness, not a catch."""
+    env = dict(os.environ, CARGO_TARGET_DIR=str(target))
+    failures = []
+    for name in mutant.cargo_filters:
+        proc = subprocess.run(
+            ["cargo", "test", "--lib", "--no-fail-fast", name],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        out = proc.stdout + proc.stderr
+        if "test result:" not in out:
+            raise HarnessError(f"{mutant.name}: cargo test did not run:\n{out[-3000:]}")
+        failures += [
+            f"cargo {line.split()[1]}"
+            for line in out.splitlines()
+            if line.startswith("test ") and line.endswith("FAILED")
+        ]
+    return bool(failures), "; ".join(failures)[:400]
+
+
 def run_tests(mutant: Mutant, tree: Path) -> tuple[bool, str]:
-    """Run the named tests on the mutated tree; (caught, what failed)."""
+    """Run the named pytest tests on the mutated tree; (caught, what failed)."""
     report = tree / "junit.xml"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree / "python"), str(tree)])
@@ -227,7 +267,7 @@ def run_tests(mutant: Mutant, tree: Path) -> tuple[bool, str]:
             "-m",
             "not e2e",
             f"--junitxml={report}",
-            *mutant.tests,
+            *mutant.pytest_paths,
         ],
         cwd=tree,
         env=env,
@@ -284,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
             tree = scratch / mutant.name
             copy_sources(tree)
             apply(mutant, tree)
-            if mutant.in_rust:
-                build_extension(tree, scratch / "target")
-            else:
-                shutil.copy2(shipped_extension(), tree / "python" / "hybrid_alloc")
-            caught, what = run_tests(mutant, tree)
+            caught, what = False, ""
+            if mutant.cargo_filters:
+                caught, what = run_cargo_tests(mutant, tree, scratch / "cargo-target")
+            if mutant.pytest_paths and not caught:
+                if mutant.in_rust:
+                    build_extension(tree, scratch / "target")
+                else:
+                    shutil.copy2(shipped_extension(), tree / "python" / "hybrid_alloc")
+                caught, what = run_tests(mutant, tree)
             took = time.perf_counter() - t0
             if caught:
                 print(f"mutant {mutant.name}: caught in {took:.0f} s by {what}", flush=True)

@@ -633,6 +633,212 @@ mod tests {
         b.check_invariants().unwrap();
     }
 
+    /// xorshift64*: a seeded stream for the random walk below (no dependency needed).
+    struct Stream(u64);
+
+    impl Stream {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
+    }
+
+    /// The plain model of a budget: who owns each slab, which pages each group holds,
+    /// and how often memory changed owner.
+    struct Model {
+        slab: u64,
+        pages: Vec<u64>,
+        owner: Vec<Option<GroupIndex>>,
+        pinned: Vec<BTreeSet<u32>>,
+        moves: Vec<(u64, u64)>,
+    }
+
+    impl Model {
+        /// Pages of group `g` that lie whole in every slab, by brute force over where a
+        /// slab can start within the group's pages.
+        fn pages_per_slab(&self, g: GroupIndex) -> u64 {
+            let (page, slab) = (self.pages[g], self.slab);
+            (0..page)
+                .map(|s| ((s + 1) * slab) / page - (s * slab).div_ceil(page))
+                .min()
+                .unwrap_or(0)
+        }
+
+        fn live(&self, b: &ByteBudget, s: SlabId) -> u32 {
+            self.owner[s as usize].map_or(0, |g| {
+                self.pinned[g]
+                    .iter()
+                    .filter(|&&p| b.slab_of(g, p) == Some(s))
+                    .count() as u32
+            })
+        }
+
+        fn partly_used_free(&self, b: &ByteBudget, g: GroupIndex) -> u64 {
+            (1..b.num_slabs())
+                .filter(|&s| self.owner[s as usize] == Some(g))
+                .map(|s| u64::from(self.live(b, s)))
+                .filter(|&live| live > 0)
+                .map(|live| self.pages_per_slab(g) - live)
+                .sum()
+        }
+
+        fn free_page(&self, b: &ByteBudget, g: GroupIndex, s: SlabId) -> Option<u32> {
+            b.pages_in(g, s).find(|p| !self.pinned[g].contains(p))
+        }
+
+        fn owned(&self, g: GroupIndex) -> Vec<SlabId> {
+            (0..self.owner.len() as SlabId)
+                .filter(|&s| self.owner[s as usize] == Some(g))
+                .collect()
+        }
+
+        /// Every count the budget reports equals the model's.
+        fn check(&self, b: &ByteBudget, step: &str) {
+            b.check_invariants()
+                .unwrap_or_else(|e| panic!("{step}: {e}"));
+            for s in 0..b.num_slabs() {
+                assert_eq!(b.owner(s), self.owner[s as usize], "{step}: slab {s} owner");
+                assert_eq!(b.live(s), self.live(b, s), "{step}: slab {s} live pages");
+            }
+            let mut fully_free = 0;
+            for s in 1..b.num_slabs() {
+                if self.live(b, s) == 0 {
+                    fully_free += 1;
+                }
+            }
+            assert_eq!(b.num_fully_free(), fully_free, "{step}: fully free slabs");
+            let mut stranded = 0;
+            for g in 0..b.num_groups() {
+                assert_eq!(u64::from(b.pages_per_slab(g)), self.pages_per_slab(g));
+                let changes = b.owner_changes(g);
+                assert_eq!((changes.granted, changes.released), self.moves[g], "{step}");
+                assert_eq!(b.live_pages(g), self.pinned[g].len() as u64, "{step}");
+                let free = self.partly_used_free(b, g);
+                assert_eq!(b.partly_used_free_pages(g), free, "{step}: group {g}");
+                stranded += free * self.pages[g];
+            }
+            assert_eq!(b.stranded_bytes(), stranded, "{step}: stranded bytes");
+        }
+    }
+
+    /// Memory lent and given back, pages pinned and unpinned as pools would, and calls
+    /// the budget must refuse (leaving it exactly as it was), against the plain model:
+    /// ~18,000 steps over random geometries.
+    #[test]
+    fn a_random_walk_matches_a_plain_model() {
+        let mut rng = Stream(0x9E37_79B9_7F4A_7C15);
+        let mut walks = 0;
+        // (slabs given back, releases refused, pages pinned, slabs lent): the walk must
+        // reach every kind of step, or it proves little.
+        let mut seen = [0u32; 4];
+        while walks < 300 {
+            let slab = 16 + rng.below(185);
+            let num_slabs = 2 + rng.below(5);
+            let groups = 1 + rng.below(3) as usize;
+            let pages: Vec<u64> = (0..groups).map(|_| 1 + rng.below(slab)).collect();
+            let as_i64: Vec<i64> = pages.iter().map(|&p| p as i64).collect();
+            let mut b = match ByteBudget::new(slab as i64, num_slabs as i64, &as_i64) {
+                Ok(b) => b,
+                Err(e) => {
+                    assert!(e.to_string().contains("cannot always hold one page"), "{e}");
+                    continue;
+                }
+            };
+            walks += 1;
+            let mut m = Model {
+                slab,
+                pages,
+                owner: vec![None; num_slabs as usize],
+                pinned: vec![BTreeSet::new(); groups],
+                moves: vec![(0, 0); groups],
+            };
+            for step in 0..60 {
+                let g = rng.below(groups as u64) as GroupIndex;
+                let label = format!("walk {walks} step {step}");
+                match rng.below(6) {
+                    0 => {
+                        let lowest =
+                            (1..num_slabs as SlabId).find(|&s| m.owner[s as usize].is_none());
+                        assert_eq!(b.grant(g).unwrap(), lowest, "{label}: grant");
+                        if let Some(s) = lowest {
+                            m.owner[s as usize] = Some(g);
+                            m.moves[g].0 += 1;
+                            seen[3] += 1;
+                        }
+                    }
+                    1 => {
+                        let s = rng.below(num_slabs + 1) as SlabId;
+                        let ok = s < num_slabs as SlabId
+                            && m.owner[s as usize] == Some(g)
+                            && m.live(&b, s) == 0;
+                        let before = format!("{b:?}");
+                        match b.release(g, s) {
+                            Ok(()) => {
+                                assert!(ok, "{label}: slab {s} given back by group {g}");
+                                m.owner[s as usize] = None;
+                                m.moves[g].1 += 1;
+                                seen[0] += 1;
+                            }
+                            Err(e) => {
+                                assert!(!ok, "{label}: release refused: {e}");
+                                assert!(e.to_string().contains(&format!("slab {s}")), "{e}");
+                                assert_eq!(before, format!("{b:?}"), "{label}: refused release");
+                                seen[1] += 1;
+                            }
+                        }
+                    }
+                    2 | 3 => {
+                        let owned = m.owned(g);
+                        if owned.is_empty() {
+                            continue;
+                        }
+                        let s = owned[rng.below(owned.len() as u64) as usize];
+                        if let Some(page) = m.free_page(&b, g, s) {
+                            b.pin(g, page).unwrap();
+                            m.pinned[g].insert(page);
+                            seen[2] += 1;
+                        }
+                    }
+                    4 => {
+                        let held: Vec<u32> = m.pinned[g].iter().copied().collect();
+                        for _ in 0..=rng.below(3) {
+                            if held.is_empty() {
+                                break;
+                            }
+                            let page = held[rng.below(held.len() as u64) as usize];
+                            if m.pinned[g].remove(&page) {
+                                b.unpin(g, page).unwrap();
+                            }
+                        }
+                    }
+                    _ => {
+                        // A block of a slab the group does not own, or one no slab lends.
+                        let page = rng.below(u64::from(b.num_pages(g)) + 8) as u32;
+                        let s = b.slab_of(g, page);
+                        if s.is_some_and(|s| m.owner[s as usize] == Some(g)) {
+                            continue;
+                        }
+                        let before = format!("{b:?}");
+                        assert!(b.pin(g, page).is_err(), "{label}: pin of block {page}");
+                        assert!(b.unpin(g, page).is_err(), "{label}: unpin of block {page}");
+                        assert_eq!(before, format!("{b:?}"), "{label}: refused pin");
+                    }
+                }
+                m.check(&b, &label);
+            }
+        }
+        assert!(
+            seen.iter().all(|&n| n > 200),
+            "steps of each kind: {seen:?}"
+        );
+    }
+
     #[test]
     fn failed_calls_change_nothing() {
         let mut b = ByteBudget::new(64, 4, &[16, 32]).unwrap();

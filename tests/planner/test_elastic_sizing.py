@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybrid_alloc import sizing as model
-from hybrid_alloc._native import NativeByteBudget
+from hybrid_alloc._native import NativeElasticPools
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from tests.planner.specs import MAX_LEN, attention, small_engine_config, small_mamba
 
@@ -43,14 +43,14 @@ SLAB_CHOICES = given(
     page=st.integers(1, 1 << 20),
 )
 def test_pages_per_slab_is_the_budgets(slab: int, page: int) -> None:
-    """The Python rule and the Rust budget count the same pages a slab (where the budget
-    accepts the page at all)."""
+    """The Python rule and the Rust budget (as the engine's elastic pools build it) count
+    the same pages a slab (where the budget accepts the page at all)."""
     fit = model.pages_per_slab(slab, page)
     if page > slab or fit == 0:
         with pytest.raises(ValueError):
-            NativeByteBudget(slab, 4, [page])
+            NativeElasticPools(slab, 4, [page])
         return
-    assert NativeByteBudget(slab, 4, [page]).pages_per_slab(0) == fit
+    assert NativeElasticPools(slab, 4, [page]).pages_per_slab(0) == fit
 
 
 @given(
@@ -62,7 +62,7 @@ def test_chosen_slab_holds_a_page_of_every_pool(pages: list[int], memory: int) -
     assert all(model.pages_per_slab(slab, p) >= 1 for p in pages)
     assert slab <= max(2 * max(pages) * model.ELASTIC_PAGES_PER_SLAB, 4 * max(pages))
     # The Rust budget takes it as it is.
-    NativeByteBudget(slab, 2, pages)
+    NativeElasticPools(slab, 2, pages)
 
 
 @SLAB_CHOICES
@@ -106,7 +106,7 @@ def test_padded_stride_fits_more_pages_and_never_straddles(slab: int, block: int
     assert stride > block and slab % stride == 0
     assert stride % min(block & -block, model.STRIDE_ALIGNMENT) == 0
     assert slab // stride > unpadded
-    assert NativeByteBudget(slab, 4, [stride]).pages_per_slab(0) == slab // stride
+    assert NativeElasticPools(slab, 4, [stride]).pages_per_slab(0) == slab // stride
 
 
 @SLAB_CHOICES

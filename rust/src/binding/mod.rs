@@ -7,14 +7,14 @@
 //!   block), and the table of handles a pool has handed out;
 //! * [`pool`]: `NativeBlockPool`, one core pool as a Python class, which
 //!   `hybrid_alloc.integration.block_pool.BlockPool` subclasses;
-//! * [`budget`]: `NativeByteBudget`, the byte budget that elastic per-group pools share;
-//! * [`elastic`]: `NativeElasticPools`, that budget over the `NativeBlockPool`s of the
-//!   groups (memory lent on allocation, live changes passed on);
+//! * [`elastic`]: `NativeElasticPools`, the byte budget that elastic per-group pools share
+//!   over the `NativeBlockPool`s of the groups (memory lent on allocation, live changes
+//!   passed on); the budget's own accounting is tested in the core
+//!   (`byte_budget.rs`), through no binding of its own;
 //! * [`views`]: `pool.blocks`, `pool.free_block_queue` and its iterator;
 //! * [`convert`]: errors, iterables, block hashes and removed keys.
 
 mod block;
-mod budget;
 mod convert;
 mod elastic;
 mod pool;
@@ -25,7 +25,6 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block::Block>()?;
-    m.add_class::<budget::NativeByteBudget>()?;
     m.add_class::<elastic::NativeElasticPools>()?;
     m.add_class::<pool::NativeBlockPool>()?;
     m.add_class::<views::BlockTable>()?;
