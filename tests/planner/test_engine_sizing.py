@@ -182,6 +182,9 @@ def test_unsupported_engines_fall_back() -> None:
     # VLLM_USE_SIMPLE_KV_OFFLOAD=1: --kv-offloading-size picks this one; refused by name.
     cfg.kv_transfer_config = kv_connector("SimpleCPUOffloadConnector", cpu_bytes_to_use=1 << 30)
     assert "'SimpleCPUOffloadConnector'" in (sizing.config_unsupported_reason(cfg) or "")
+    # vLLM's decode benchmark connector fills each group's blocks by that group's IDs.
+    cfg.kv_transfer_config = kv_connector("DecodeBenchConnector", fill_mean=0.015)
+    assert sizing.config_unsupported_reason(cfg) is None
     # --kv-offloading-size with vLLM's native backend: served per group (hybrid_alloc's
     # offload hooks); its other tiers and the canonical host layout are refused by name.
     cfg.kv_transfer_config = kv_connector("OffloadingConnector", cpu_bytes_to_use=1 << 30)

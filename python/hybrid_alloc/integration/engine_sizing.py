@@ -106,12 +106,20 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
     return None
 
 
+DECODE_BENCH_CONNECTOR = "DecodeBenchConnector"
+"""vLLM's decode benchmark connector: it claims a new request's prompt as loaded and fills
+the claimed blocks of each group with dummy values, by that group's block IDs in that
+group's layers' tensors (and a state layer's whole tensor), so pool-scoped IDs serve it."""
+
+
 def kv_connector_unsupported_reason(kv_transfer_config: Any) -> str | None:
     """Why per-group pools cannot serve the engine's KV connector (None: no connector, or
     vLLM's native offloading, ``--kv-offloading-size``, which :mod:`.offload` adapts)."""
     if kv_transfer_config is None:
         return None
     name = kv_transfer_config.kv_connector
+    if name == DECODE_BENCH_CONNECTOR:
+        return None
     if name != "OffloadingConnector":
         return (
             f"KV connector {name!r} addresses blocks by IDs unique across groups (per-group "
