@@ -430,7 +430,9 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         default=["stock", "elastic"],
         help="comma-separated: stock (vLLM's own pool), elastic (per-group pools over one "
         "byte budget: the engine's default with this package installed), per-group (the "
-        "static split, HYBRID_ALLOC_ELASTIC_POOLS=0); default stock,elastic",
+        "static split, HYBRID_ALLOC_ELASTIC_POOLS=0), drop-in (vLLM's layout on the Rust pool, "
+        "HYBRID_ALLOC_PER_GROUP_POOLS=0: stock's schedule at the Rust pool's cost); default "
+        "stock,elastic",
     )
     _add_specs_argument(s)
     s.add_argument("--json", metavar="FILE.json", help="write the results (with time series)")

@@ -326,6 +326,9 @@ def test_layout_install_state_is_restored() -> None:
     with sim.layout_installed("per-group"):
         assert integration.installed() == ("rust", True)
     assert integration.installed() == before
+    with sim.layout_installed(sim.DROP_IN):
+        assert integration.installed() == ("rust", False)
+    assert integration.installed() == before
     with pytest.raises(ValueError, match="layout"), sim.layout_installed("mine"):
         pass
 

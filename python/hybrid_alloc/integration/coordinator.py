@@ -98,6 +98,19 @@ class PerGroupPoolsMixin:
             # The managers keep the null block they pad block tables with.
             manager._null_block = pool.null_block
         self.pool_set = pool_set
+        # Per manager, fixed for the coordinator's life and read on every allocation:
+        # its pool, whether it counts encoder tokens (cross-attention), and whether its
+        # count leaves out loaded blocks (`uncounted_loaded_blocks`).
+        self._pool_of_manager = [
+            pool_set.pool_index_of_group(gid) for gid in range(len(self.single_type_managers))
+        ]
+        self._cross_attention = [
+            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
+        ]
+        self._align_state = [
+            isinstance(m, MambaManager) and m.mamba_cache_mode == "align"
+            for m in self.single_type_managers
+        ]
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
         self._max_model_len = max_model_len
@@ -132,7 +145,7 @@ class PerGroupPoolsMixin:
         if self.retention_interval != 0:
             prefill_end = 0
         for gid, manager in enumerate(self.single_type_managers):
-            if isinstance(manager, CrossAttentionManager):
+            if self._cross_attention[gid]:
                 n = manager.get_num_blocks_to_allocate(
                     request_id,
                     num_encoder_tokens,
@@ -274,24 +287,34 @@ class PerGroupPoolsMixin:
             apply_admission_cap,
             prefill_end,
         ):
-            idx = pool_set.pool_index_of_group(gid)
-            # vLLM counts free hit blocks among the blocks to allocate; the plan takes the
-            # hits themselves, so only the rest are new (all of it where the manager may
-            # skip some hits, which over-counts and never under-counts).
-            skipped = manager.get_num_skipped_tokens(total_computed_tokens) if group_hits else 0
-            evictable = pool_set.pools[idx].count_evictable(group_hits) if not skipped else 0
-            n += uncounted_loaded_blocks(
-                manager, request_id, group_hits, total_computed_tokens, num_local_computed_tokens
-            )
-            hits[idx].extend(group_hits)
+            idx = self._pool_of_manager[gid]
+            evictable = 0
+            if group_hits:
+                # vLLM counts free hit blocks among the blocks to allocate; the plan takes
+                # the hits themselves, so only the rest are new (all of it where the
+                # manager may skip some hits, which over-counts and never under-counts).
+                if not manager.get_num_skipped_tokens(total_computed_tokens):
+                    evictable = pool_set.pools[idx].count_evictable(group_hits)
+                hits[idx].extend(group_hits)
+            if self._align_state[gid]:
+                n += uncounted_loaded_blocks(
+                    manager,
+                    request_id,
+                    group_hits,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                )
             news.append((idx, max(0, n - evictable)))
             if idx == pool_set.primary_index:
                 primary_need += n
         if apply_admission_cap and self._allocating is None and _allocate_slots_is_ours():
             return self._reservation_query(request_id, news)
-        extra: list[tuple[int, int]] = []
-        if self._allocating == request_id and self._load_reserved_blocks:
-            extra = self._load_reservation_asks()
+        loads_reserved = self._allocating == request_id and self._load_reserved_blocks
+        if not loads_reserved and not any(hits) and not any(n for _, n in news):
+            # A step that takes no page (most decode steps): it fits whatever the budget
+            # holds, and there is nothing to reserve; the plan would answer the same.
+            return primary_need
+        extra = self._load_reservation_asks() if loads_reserved else []
         if not pool_set.plan(hits, news + extra):
             return pool_set.get_num_free_blocks() + 1
         if not apply_admission_cap:

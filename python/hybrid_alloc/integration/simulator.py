@@ -101,6 +101,10 @@ ALL_LAYOUTS = ("stock", "per-group", "elastic")
 """``stock``: vLLM's own pool; ``per-group``: the static split
 (``HYBRID_ALLOC_ELASTIC_POOLS=0``); ``elastic``: per-group pools over one byte budget
 (:mod:`hybrid_alloc.integration.pool_set`'s `ElasticLayout`), the engine's default."""
+DROP_IN = "drop-in"
+"""vLLM's own layout on the Rust pool (``HYBRID_ALLOC_PER_GROUP_POOLS=0``): stock's
+decisions at the Rust pool's cost, for scheduler-cost comparisons (not in ``ALL_LAYOUTS``:
+its schedule is stock's)."""
 DEFAULT_LAYOUTS = ("stock", "elastic")
 """What ``simulate`` compares unless told: stock vLLM against what the engine runs with
 this package installed and no switches set (elastic pools)."""
@@ -350,14 +354,12 @@ class SimResult:
 def layout_installed(layout: str) -> Iterator[None]:
     """This package's hooks as ``layout`` needs them (stock: none; per-group: Rust pools
     with per-group pools), the previous state put back on exit."""
-    if layout not in ALL_LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(ALL_LAYOUTS)}, got {layout!r}")
+    if layout not in (*ALL_LAYOUTS, DROP_IN):
+        known = ", ".join((*ALL_LAYOUTS, DROP_IN))
+        raise ValueError(f"layout must be one of {known}, got {layout!r}")
     previous = integration.installed()
     try:
-        if layout == "stock":
-            integration.uninstall()
-        else:
-            integration.install(per_group_pools=True)
+        _apply_layout(layout)
         yield
     finally:
         if previous is None:
@@ -716,7 +718,7 @@ def build_engine(
         # HYBRID_ALLOC_ELASTIC_POOLS switch picks them (capacity from the same model).
         kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
     note = None
-    if layout != "stock":
+    if layout not in ("stock", DROP_IN):
         from hybrid_alloc.integration.engine_sizing import unsupported_reason
         from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 
@@ -771,7 +773,7 @@ def _apply_layout(layout: str) -> None:
     if layout == "stock":
         integration.uninstall()
     else:
-        integration.install(per_group_pools=True)
+        integration.install(per_group_pools=layout != DROP_IN)
 
 
 # --------------------------------------------------------------------------- requests
