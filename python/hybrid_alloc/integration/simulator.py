@@ -352,8 +352,9 @@ class SimResult:
 
 @contextlib.contextmanager
 def layout_installed(layout: str) -> Iterator[None]:
-    """This package's hooks as ``layout`` needs them (stock: none; per-group: Rust pools
-    with per-group pools), the previous state put back on exit."""
+    """This package's hooks as ``layout`` needs them (stock: none; per-group and elastic:
+    Rust pools, one per group; drop-in: the Rust pool in vLLM's layout), the previous state
+    put back on exit."""
     if layout not in (*ALL_LAYOUTS, DROP_IN):
         known = ", ".join((*ALL_LAYOUTS, DROP_IN))
         raise ValueError(f"layout must be one of {known}, got {layout!r}")
