@@ -89,12 +89,8 @@ def _check_offloaded(stock: dict[str, Any], ours: dict[str, Any], pool: str) -> 
     assert_every_block_back(ours["probe"]["before_reset"])
 
 
-# Runs whose small device pool preempts requests after they generated tokens -> the
-# stock run (no offloading, same answer length) whose tokens they start from.
-PREEMPTING = {"restarted_preempting": "stock_long", "drop_in_preempting": "stock"}
-# The elastic restart's answers: long enough that requests which loaded their prefixes
-# grow past the budget while decoding.
-LONG_ANSWERS = ["--max-tokens", "300"]
+# Runs whose small device pool preempts requests after they generated tokens.
+PREEMPTING = ("restarted_preempting", "drop_in_preempting")
 
 # Injected load failures: run -> KV-cache groups whose blocks the failing load tears. With
 # per-group pools the tiny Qwen3-Next has group 0 = GDN state ('align' mode), 1 = full
@@ -182,8 +178,9 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
     results.update(run_engines(model, workdir, second, models))
     # A restart over the Nemotron-H files with a device pool too small for two requests: it
     # loads from the files and preempts, in float32, so its tokens must be stock's exactly.
-    # On the static split (HYBRID_ALLOC_ELASTIC_POOLS=0 still selects it); the same oracle
-    # on elastic pools is `elastic_restart_runs` below.
+    # The static split: elastic pools admit a load only where its whole sequence fits, so
+    # their loaded requests are not preempted (the elastic restart that preempts after
+    # loads is "restarted_preempting" below).
     third = {
         "nemotron_restarted": (
             "rust",
@@ -200,32 +197,33 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
         )
     }
     # The issue-18 schedules, both preempting requests that have generated tokens: a
-    # restart over the Qwen3-Next files on the default elastic pools, with a budget of 10
-    # attention blocks' static split and 300-token answers (the load is admitted with the
-    # prompt's blocks; decoding grows past the budget), and the drop-in pool offloading
-    # with 20 blocks (bf16 GDN: both held to the recompute replay).
+    # per-group restart over the Qwen3-Next files with a 12-block device pool (the static
+    # split, as above), and the drop-in pool offloading with 20 blocks (bf16 GDN: held to
+    # the recompute replay).
     third.update(
         {
             "restarted_preempting": (
                 "rust",
                 True,
-                [*WORKLOAD, *LONG_ANSWERS, *OFFLOAD, "--num-gpu-blocks", "10", *_fs_tier(fs_root)],
+                [
+                    *WORKLOAD,
+                    *OFFLOAD,
+                    "--num-gpu-blocks",
+                    "12",
+                    "--no-elastic-pools",
+                    *_fs_tier(fs_root),
+                ],
             ),
             "drop_in_preempting": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "20"]),
         }
     )
     results.update(run_engines(nemotron, workdir, third, {name: model for name in PREEMPTING}))
     # Each preempting run's recompute, replayed on stock's pool (see check_recompute_replay).
-    replays = {"stock_long": ("vllm", False, [*WORKLOAD, *LONG_ANSWERS])}
-    for name, reference in PREEMPTING.items():
+    replays = {}
+    for name in PREEMPTING:
         prompts = workdir / f"{name}_replay_prompts.json"
         prompts.write_text(json.dumps([replay_prompts(results[name])]))
-        answers = LONG_ANSWERS if reference == "stock_long" else []
-        replays[f"{name}_replay"] = (
-            "vllm",
-            False,
-            [*WORKLOAD, *answers, "--prompts", str(prompts)],
-        )
+        replays[f"{name}_replay"] = ("vllm", False, [*WORKLOAD, "--prompts", str(prompts)])
     results.update(run_engines(model, workdir, replays))
     return results
 
@@ -316,9 +314,9 @@ def test_preemption_after_output_is_recompute(
     offload_runs: dict[str, dict[str, Any]], run: str
 ) -> None:
     """Issue 18's divergence: a Qwen3-Next (bf16) engine whose device pool is too small for
-    two requests, restarted over the filesystem tier on elastic per-group pools (the
-    default; 300-token answers outgrow the budget after the loads), or the drop-in pool
-    with the CPU tier, preempts requests after they generated tokens. Those requests'
+    two requests, restarted over the filesystem tier with per-group pools (the static
+    split: elastic pools admit a load only where its whole sequence fits), or the drop-in
+    pool with the CPU tier, preempts requests after they generated tokens. Those requests'
     later tokens differ from stock's uninterrupted run (vLLM's own pool does the same when it
     preempts after output: README, "Preemption and recompute"). Every token is still exactly
     accounted for: stock's before the preemption, and after it exactly what stock's pool
@@ -326,15 +324,15 @@ def test_preemption_after_output_is_recompute(
     recomputes. A block loaded into the wrong place or a state from another request would
     break that equality."""
     ours = offload_runs[run]
-    stock = offload_runs[PREEMPTING[run]]
-    recomputed = check_recompute_replay(stock, ours, offload_runs[f"{run}_replay"])
+    recomputed = check_recompute_replay(offload_runs["stock"], ours, offload_runs[f"{run}_replay"])
     assert recomputed > 0, ours["probe"]["before_reset"]["resumed"]
-    if run == "restarted_preempting":
-        assert "hybrid_alloc: elastic per-group KV-cache pools: one budget" in ours["log_text"]
     metrics = ours["metrics"]
     assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
     assert ours["reset_prefix_cache_ok"] is True
     assert_every_block_back(ours["probe"]["before_reset"])
+
+
+ELASTIC_RESTART_TOKENS = ["--max-tokens", "300"]
 
 
 @pytest.fixture(scope="module")
@@ -354,11 +352,11 @@ def elastic_restart_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         nemotron,
         workdir,
         {
-            "stock": ("vllm", False, [*WORKLOAD, *common, *LONG_ANSWERS]),
+            "stock": ("vllm", False, [*WORKLOAD, *common, *ELASTIC_RESTART_TOKENS]),
             "writer": ("rust", True, _offloading("nemotron_h", _fs_tier(root))),
         },
     )
-    restart_args = [*WORKLOAD, *common, *LONG_ANSWERS, *OFFLOAD]
+    restart_args = [*WORKLOAD, *common, *ELASTIC_RESTART_TOKENS, *OFFLOAD]
     restart_args += ["--num-gpu-blocks", "5", *_fs_tier(root)]
     runs.update(run_engines(nemotron, workdir, {"restarted": ("rust", True, restart_args)}))
     return runs
