@@ -204,19 +204,6 @@ def run_round(runs: dict[str, MixRun], steps: int, timings: dict[str, Timings]) 
                 timings[name].free_s.append(runs[name].free())
 
 
-def run_once(engine: Any, prompts: Sequence[list[int]], decode_steps: int, t: Timings) -> None:
-    """The mix on one engine alone (the profile and tests use it)."""
-    run = MixRun(engine.layout, engine, prompts, decode_steps)
-    with _gc_off():
-        t.prefill_s.append(run.prefill())
-        steps = [run.decode_step() for _ in range(decode_steps)]
-    t.decode_step_s.append(statistics.median(steps))
-    t.blocks_per_request = run.blocks_per_request()
-    t.prefix_hit_tokens = run.prefix_hit_tokens
-    with _gc_off():
-        t.free_s.append(run.free())
-
-
 def build(config: str, settings: Any, layout: str) -> Any:
     from hybrid_alloc.integration import simulator as sim
     from hybrid_alloc.planner import load_config
@@ -233,20 +220,23 @@ def profile_decode(engine: Any, prompts: Sequence[list[int]], steps: int, top: i
     import io
 
     profiler = cProfile.Profile()
-    t = Timings()
-    original: Callable[..., Any] = engine.scheduler.kv_cache_manager.allocate_slots
     manager = engine.scheduler.kv_cache_manager
 
-    def profiled(*args: Any, **kwargs: Any) -> Any:
+    def profiled(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        # Looked up per call: the class's method is what the layout's hooks installed.
+        allocate: Callable[..., Any] = type(manager).allocate_slots
+        if num_new_tokens != 1:  # a prefill chunk (this driver decodes one token a step)
+            return allocate(manager, request, num_new_tokens, *args, **kwargs)
         profiler.enable()
         try:
-            return original(*args, **kwargs)
+            return allocate(manager, request, num_new_tokens, *args, **kwargs)
         finally:
             profiler.disable()
 
     manager.allocate_slots = profiled
+    run = MixRun("elastic", engine, prompts, steps)
     try:
-        run_once(engine, prompts, steps, t)
+        run_round({"elastic": run}, steps, {"elastic": Timings()})
     finally:
         del manager.allocate_slots
     out = io.StringIO()

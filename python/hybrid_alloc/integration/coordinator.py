@@ -99,11 +99,8 @@ class PerGroupPoolsMixin:
             manager._null_block = pool.null_block
         self.pool_set = pool_set
         # Per manager, fixed for the coordinator's life and read on every allocation:
-        # its pool, whether it counts encoder tokens (cross-attention), and whether its
-        # count leaves out loaded blocks (`uncounted_loaded_blocks`).
-        self._pool_of_manager = [
-            pool_set.pool_index_of_group(gid) for gid in range(len(self.single_type_managers))
-        ]
+        # whether it counts encoder tokens (cross-attention), and whether its count
+        # leaves out loaded blocks (`uncounted_loaded_blocks`).
         self._cross_attention = [
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
         ]
@@ -287,7 +284,7 @@ class PerGroupPoolsMixin:
             apply_admission_cap,
             prefill_end,
         ):
-            idx = self._pool_of_manager[gid]
+            idx = pool_set.pool_index_of_group(gid)
             evictable = 0
             if group_hits:
                 # vLLM counts free hit blocks among the blocks to allocate; the plan takes
