@@ -147,6 +147,16 @@ MUTANTS = (
         ("tests/pool_set/test_elastic_pools.py",),
     ),
     Mutant(
+        "elastic-unchecked-operation",
+        "an elastic operation (pop, free, touch, unpin, reference-count write, key insert) "
+        "runs on pages of slabs its group does not own",
+        "rust/src/elastic.rs",
+        "    check_named(budget, g, pool, named, what)?;\n    let done = op(pool);",
+        "    let done = op(pool);",
+        # The core's refusals of pages the budget holds ("a page of an unowned slab").
+        ("cargo:elastic::tests",),
+    ),
+    Mutant(
         "elastic-keeps-freed-pinned",
         "a block freed in an elastic pool still pins its slab (it never goes back)",
         "rust/src/elastic.rs",

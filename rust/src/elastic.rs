@@ -27,8 +27,12 @@
 //! admits cannot run short and a step it refuses would: exact for this policy, at a cost of
 //! the pages asked for.
 //!
-//! The functions take the pools as references so that each pool can live where its caller
-//! keeps it (the binding keeps one per Python object); [`ElasticPools`] owns them all.
+//! Every operation on one group's pool (pop, free, touch, unpin, reference-count write, key
+//! insert or move) runs through [`operate`]: the pages it names checked, the pool call, the
+//! budget synced, in one core call; the binding's pool methods and [`ElasticPools`] both
+//! call it, so the core's tests run the path the engine runs. The functions take the pools
+//! as references so that each pool can live where its caller keeps it (the binding keeps
+//! one per Python object); [`ElasticPools`] owns them all.
 
 use std::collections::{HashMap, HashSet};
 
@@ -111,10 +115,59 @@ pub fn check_usable(
     op: &'static str,
 ) -> Result<(), PoolError> {
     pool.check_id(i64::from(page))?;
+    check_lent(budget, g, page, op)
+}
+
+/// [`check_usable`] for a page already known to be in range: `Ok` for the null block or a
+/// page of a slab `g` owns (the caching calls check each block as they read it).
+pub fn check_lent(
+    budget: &ByteBudget,
+    g: GroupIndex,
+    page: BlockId,
+    op: &'static str,
+) -> Result<(), PoolError> {
     if page != NULL_BLOCK_ID && !is_lent(budget, g, page) {
         return Err(PoolError::ForeignBlock { block_id: page, op });
     }
     Ok(())
+}
+
+/// `Ok` if group `g` may name every page of `ids` (see [`check_usable`]): the check each
+/// elastic operation and caching call makes before it changes anything.
+pub fn check_named(
+    budget: &ByteBudget,
+    g: GroupIndex,
+    pool: &GroupPool,
+    ids: &[BlockId],
+    op: &'static str,
+) -> Result<(), PoolError> {
+    budget.check_group(g)?;
+    ids.iter()
+        .try_for_each(|&p| check_usable(budget, g, pool, p, op))
+}
+
+/// One operation on group `g`'s pool, as every elastic operation runs (the binding's pops,
+/// frees, touches, unpins and reference-count writes, and [`ElasticPools`]'s calls): the
+/// pages it names are checked first ([`check_named`]: a refused call changes nothing),
+/// then `op` runs on the pool, then the pages it took into or out of use reach the budget
+/// ([`sync`]) before the caller can run anything else. Should the budget refuse them, the
+/// pool keeps them for a later sync and the error is returned.
+pub fn operate<T>(
+    budget: &mut ByteBudget,
+    g: GroupIndex,
+    pool: &mut GroupPool,
+    named: &[BlockId],
+    what: &'static str,
+    op: impl FnOnce(&mut GroupPool) -> Result<T, PoolError>,
+) -> Result<T, PoolError> {
+    check_named(budget, g, pool, named, what)?;
+    let done = op(pool);
+    // Synced whatever `op` answered: a failed pool call changes nothing, but should one
+    // have changed something the budget still hears of it.
+    let synced = sync(budget, g, pool);
+    let value = done?;
+    synced?;
+    Ok(value)
 }
 
 /// What the policy lends one group for one allocation: unowned slabs, then idle slabs of
@@ -694,26 +747,47 @@ impl ElasticPools {
         &mut self.pools[g]
     }
 
-    fn check_all(&self, g: GroupIndex, ids: &[BlockId], op: &'static str) -> Result<(), PoolError> {
+    /// [`operate`] on group `g`'s pool.
+    fn operate<T>(
+        &mut self,
+        g: GroupIndex,
+        named: &[BlockId],
+        what: &'static str,
+        op: impl FnOnce(&mut GroupPool) -> Result<T, PoolError>,
+    ) -> Result<T, PoolError> {
         self.budget.check_group(g)?;
-        for &p in ids {
-            check_usable(&self.budget, g, &self.pools[g], p, op)?;
-        }
-        Ok(())
+        operate(&mut self.budget, g, &mut self.pools[g], named, what, op)
     }
 
     /// Take one reference to each hit (a free one leaves the queue and pins its slab).
     pub fn touch(&mut self, g: GroupIndex, hits: &[BlockId]) -> Result<(), PoolError> {
-        self.check_all(g, hits, "touch")?;
-        self.pools[g].touch(hits)?;
-        sync(&mut self.budget, g, &mut self.pools[g])
+        self.operate(g, hits, "touch", |pool| pool.touch(hits))
     }
 
     /// Drop one reference per listing; pages left with none unpin their slab.
     pub fn free(&mut self, g: GroupIndex, ids: &[BlockId]) -> Result<(), PoolError> {
-        self.check_all(g, ids, "free")?;
-        self.pools[g].free(ids)?;
-        sync(&mut self.budget, g, &mut self.pools[g])
+        self.operate(g, ids, "free", |pool| pool.free(ids))
+    }
+
+    /// Set a held page's reference count (vLLM's managers write `ref_cnt`).
+    pub fn set_ref_cnt(&mut self, g: GroupIndex, id: BlockId, value: i64) -> Result<(), PoolError> {
+        self.operate(g, &[id], "set the reference count of", |pool| {
+            pool.set_ref_cnt(id, value)
+        })
+    }
+
+    /// Give page `id` of group `g` the prefix-cache key `key` (vLLM's `_insert_block_hash`);
+    /// a page the budget holds may not be given one.
+    pub fn insert_hash(
+        &mut self,
+        g: GroupIndex,
+        key: &[u8],
+        id: BlockId,
+        num_tokens: Option<u32>,
+    ) -> Result<(), PoolError> {
+        self.operate(g, &[id], "cache", |pool| {
+            pool.insert_hash(key, id, num_tokens)
+        })
     }
 
     /// `n` new pages for group `g`: [`prepare`], then the pool's pop. Evicted keys go to
@@ -735,9 +809,9 @@ impl ElasticPools {
                 &mut removed,
             )?;
         }
-        let got = self.pools[g].allocate(n, |id, k| removed(g, id, k))?;
-        sync(&mut self.budget, g, &mut self.pools[g])?;
-        Ok(got)
+        self.operate(g, &[], "allocate", |pool| {
+            pool.allocate(n, |id, k| removed(g, id, k))
+        })
     }
 
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -766,7 +840,7 @@ mod tests {
         for (g, held) in req.iter().enumerate() {
             for &p in held.iter().take(held.len() / 2) {
                 if !e.pools[g].cache().is_cached(p) {
-                    e.pools[g].insert_hash(&key(*next_key), p, None).unwrap();
+                    e.insert_hash(g, &key(*next_key), p, None).unwrap();
                     *next_key += 1;
                 }
             }
@@ -790,7 +864,7 @@ mod tests {
         // Group 0 finishes and caches its pages; group 1 takes one of its slabs back.
         let mut pool_keys = 0;
         for (i, &p) in a.iter().enumerate() {
-            e.pools[0].insert_hash(&key(i as u64), p, None).unwrap();
+            e.insert_hash(0, &key(i as u64), p, None).unwrap();
             pool_keys += 1;
         }
         e.free(0, &a).unwrap();
@@ -865,7 +939,7 @@ mod tests {
         let mut e = ElasticPools::new(64, 4, &[16, 64], true, 16).unwrap();
         let a = e.allocate(0, 4, |_, _, _| {}).unwrap();
         for (i, &p) in a.iter().enumerate() {
-            e.pools[0].insert_hash(&key(i as u64), p, None).unwrap();
+            e.insert_hash(0, &key(i as u64), p, None).unwrap();
         }
         e.free(0, &a).unwrap();
         let mut evicted = 0;
@@ -886,7 +960,7 @@ mod tests {
         let mut e = ElasticPools::new(64, 3, &[16, 16, 16], true, 16).unwrap();
         let mut b = e.allocate(1, 8, |_, _, _| {}).unwrap();
         for (i, &p) in b.iter().enumerate() {
-            e.pools[1].insert_hash(&key(i as u64), p, None).unwrap();
+            e.insert_hash(1, &key(i as u64), p, None).unwrap();
         }
         // Slab 1's pages first in the queue (least recently used).
         b.sort_unstable();
@@ -1211,7 +1285,7 @@ mod tests {
         // Three of each slab's four pages cached.
         let cached: Vec<BlockId> = a.iter().copied().filter(|p| p % 4 != 3).collect();
         for (i, &p) in cached.iter().enumerate() {
-            e.pools[0].insert_hash(&key(i as u64), p, None).unwrap();
+            e.insert_hash(0, &key(i as u64), p, None).unwrap();
         }
         e.free(0, &a).unwrap();
         let mut refs: Vec<&mut GroupPool> = e.pools.iter_mut().collect();

@@ -185,10 +185,15 @@ class ElasticMachine(CountingMachine):
         else:
             assert ok and all(p.cache_entries() == [] for p in self.pools)
 
-    @rule(g=st.integers(0, 2), block_id=st.integers(1, 60), op=st.sampled_from(["free", "touch"]))
+    @rule(
+        g=st.integers(0, 2),
+        block_id=st.integers(1, 60),
+        op=st.sampled_from(["free", "touch", "unpin"]),
+    )
     @stepping
     def held_block_refused(self, g: int, block_id: int, op: str) -> None:
-        """A block the budget holds (its slab is not this group's) cannot be used."""
+        """A block the budget holds (its slab is not this group's) cannot be freed, touched,
+        unpinned or re-counted."""
         g %= len(self.groups)
         pool = self.pools[g]
         assume(block_id < pool.num_gpu_blocks)
@@ -203,8 +208,10 @@ class ElasticMachine(CountingMachine):
         with pytest.raises(ValueError, match=f"block {block_id}"):
             if op == "free":
                 pool.free_blocks([block])
-            else:
+            elif op == "touch":
                 pool.touch([block])
+            else:
+                pool.unpin_blocks([block], lambda _: None)
         with pytest.raises(ValueError, match=f"block {block_id}"):
             block.ref_cnt = 2
         assert _state(self.elastic, self.pools) == before, "a refused call changed the pools"

@@ -1,7 +1,7 @@
 //! `KVCacheBlock`, the block handle vLLM's managers hold, and the table of handles a pool
 //! has handed out.
 
-use super::convert::{pool_error, wrong_type};
+use super::convert::wrong_type;
 use super::pool::NativeBlockPool;
 use crate::group_pool::{BlockId, NULL_BLOCK_ID};
 use crate::routing::BlockRef;
@@ -43,11 +43,10 @@ impl Block {
     #[setter]
     fn set_ref_cnt(&self, py: Python<'_>, value: i64) -> PyResult<()> {
         let mut pool = self.pool.bind(py).try_borrow_mut()?;
-        let pool = &mut *pool;
-        pool.check_elastic(py, &[self.id], "set the reference count of")?;
-        pool.core
-            .set_ref_cnt(self.id, value)
-            .map_err(|e| pool_error(&pool.label, e))
+        let id = self.id;
+        pool.operate(py, &[id], "set the reference count of", |core| {
+            core.set_ref_cnt(id, value)
+        })
     }
 
     /// The primary prefix-cache key (`BlockHashWithGroupId` bytes), or None.

@@ -60,7 +60,19 @@ impl NativeElasticPools {
             .collect()
     }
 
-    /// Pass a pool's live changes on to the budget (the pool is borrowed by the caller).
+    /// [`elastic::operate`] on group `g`'s core pool (borrowed by the caller).
+    pub(crate) fn operate<T>(
+        &mut self,
+        g: GroupIndex,
+        pool: &mut GroupPool,
+        named: &[BlockId],
+        what: &'static str,
+        op: impl FnOnce(&mut GroupPool) -> Result<T, PoolError>,
+    ) -> Result<T, PoolError> {
+        elastic::operate(&mut self.budget, g, pool, named, what, op)
+    }
+
+    /// [`elastic::sync`]: pass a pool's live changes on to the budget.
     pub(crate) fn sync(&mut self, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
         elastic::sync(&mut self.budget, g, pool)
     }
@@ -69,16 +81,15 @@ impl NativeElasticPools {
         elastic::held_pages(&self.budget, g)
     }
 
-    /// `Ok` if every ID may be used by group `g` (the null block, or a page it owns).
-    pub(crate) fn check_usable(
+    /// [`elastic::check_named`]: `Ok` if group `g` may name every ID.
+    pub(crate) fn check_named(
         &self,
         g: GroupIndex,
         pool: &GroupPool,
         ids: &[BlockId],
         op: &'static str,
     ) -> Result<(), PoolError> {
-        ids.iter()
-            .try_for_each(|&id| elastic::check_usable(&self.budget, g, pool, id, op))
+        elastic::check_named(&self.budget, g, pool, ids, op)
     }
 
     /// Run `op` over the budget and every group's core pool (all borrowed for the call);
@@ -129,18 +140,14 @@ impl NativeElasticPools {
         })
     }
 
-    /// `Ok` if group `g` may name `id` (the null block, or a page of a slab it owns).
+    /// [`elastic::check_lent`]: `Ok` if group `g` may name `id`.
     pub(crate) fn check_lent(
         &self,
         g: GroupIndex,
         id: BlockId,
         op: &'static str,
     ) -> Result<(), PoolError> {
-        if id == crate::group_pool::NULL_BLOCK_ID || elastic::is_lent(&self.budget, g, id) {
-            Ok(())
-        } else {
-            Err(PoolError::ForeignBlock { block_id: id, op })
-        }
+        elastic::check_lent(&self.budget, g, id, op)
     }
 
     /// Hit IDs per group and (group, count) allocations, converted and checked.

@@ -115,25 +115,80 @@ impl NativeBlockPool {
             .map_err(|e| pool_error(&self.label, e))
     }
 
+    /// Run `op` on the core pool: in elastic pools as the core's elastic operation (the
+    /// named blocks checked, `op`, the budget synced: `elastic::operate`), else directly.
+    /// Takes the pool's parts so that `op` may borrow its other fields.
+    pub(super) fn operate_on<T>(
+        py: Python<'_>,
+        elastic: Option<&ElasticLink>,
+        label: &str,
+        core: &mut GroupPool,
+        named: &[BlockId],
+        what: &'static str,
+        op: impl FnOnce(&mut GroupPool) -> Result<T, PoolError>,
+    ) -> PyResult<T> {
+        let done = match elastic {
+            None => op(core),
+            Some(link) => link
+                .owner
+                .bind(py)
+                .try_borrow_mut()?
+                .operate(link.group, core, named, what, op),
+        };
+        done.map_err(|e| pool_error(label, e))
+    }
+
+    /// [`Self::operate_on`] for an `op` that needs only the core pool.
+    pub(super) fn operate<T>(
+        &mut self,
+        py: Python<'_>,
+        named: &[BlockId],
+        what: &'static str,
+        op: impl FnOnce(&mut GroupPool) -> Result<T, PoolError>,
+    ) -> PyResult<T> {
+        Self::operate_on(
+            py,
+            self.elastic.as_ref(),
+            &self.label,
+            &mut self.core,
+            named,
+            what,
+            op,
+        )
+    }
+
     /// In elastic pools, refuse blocks the budget holds (pages of slabs this group does not
-    /// own): no operation may count them in or out of use.
+    /// own): the core's check (`elastic::check_named`) without an operation.
     pub(super) fn check_elastic(
         &self,
         py: Python<'_>,
         ids: &[BlockId],
         op: &'static str,
     ) -> PyResult<()> {
-        let Some(link) = &self.elastic else {
+        Self::check_linked(py, self.elastic.as_ref(), &self.label, &self.core, ids, op)
+    }
+
+    /// [`Self::check_elastic`] from the pool's parts.
+    fn check_linked(
+        py: Python<'_>,
+        elastic: Option<&ElasticLink>,
+        label: &str,
+        core: &GroupPool,
+        ids: &[BlockId],
+        op: &'static str,
+    ) -> PyResult<()> {
+        let Some(link) = elastic else {
             return Ok(());
         };
         let owner = link.owner.bind(py).try_borrow()?;
         owner
-            .check_usable(link.group, &self.core, ids, op)
-            .map_err(|e| self.error(e))
+            .check_named(link.group, core, ids, op)
+            .map_err(|e| pool_error(label, e))
     }
 
     /// The elastic budget's check for one block named by a caching call (`Ok` outside
-    /// elastic pools): a block the budget holds may not be given a key.
+    /// elastic pools), made while the pool is borrowed: a block the budget holds may not
+    /// be given a key.
     fn elastic_check_one(
         py: Python<'_>,
         link: Option<&(Py<NativeElasticPools>, GroupIndex)>,
@@ -467,13 +522,20 @@ impl NativeBlockPool {
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
         let observed = this.observers.is_some();
-        let steps = this
-            .core
-            .hand_out(num_blocks, &mut this.watchers, observed)
-            .map_err(|e| pool_error(&this.label, e))?;
+        let watchers = &mut this.watchers;
+        let (elastic, label) = (this.elastic.as_ref(), &this.label);
+        // The pop and the budget's sync are one core operation: no callback runs between.
+        let steps = Self::operate_on(
+            slf.py(),
+            elastic,
+            label,
+            &mut this.core,
+            &[],
+            "allocate",
+            |core| core.hand_out(num_blocks, watchers, observed),
+        )?;
         let list = this.handles.list(slf, this.core.num_blocks(), steps.ids());
-        // The blocks are off the free queue: claim them even if the list failed (the
-        // budget is synced as they leave the queue, see `drive`).
+        // The blocks are off the free queue: claim them even if the list failed.
         let driven = Self::drive(slf, guard, steps);
         let list = list?;
         driven?;
@@ -494,11 +556,11 @@ impl NativeBlockPool {
             routing::route(&PoolToken::This, pairs)?
         };
         let mut this = slf.try_borrow_mut()?;
-        this.check_elastic(slf.py(), &routed.own, "free")?;
         if routed.others.is_empty() {
-            this.core.free(&routed.own).map_err(|e| this.error(e))?;
-            return this.sync_elastic(slf.py());
+            let own = &routed.own;
+            return this.operate(slf.py(), own, "free", |core| core.free(own));
         }
+        this.check_elastic(slf.py(), &routed.own, "free")?;
         let runs = routed
             .others
             .into_iter()
@@ -515,15 +577,14 @@ impl NativeBlockPool {
                 other.core.check_free(ids).map_err(|e| other.error(e))?;
             }
         }
-        this.core.free(&routed.own).map_err(|e| this.error(e))?;
-        this.sync_elastic(slf.py())?;
+        let own = &routed.own;
+        this.operate(slf.py(), own, "free", |core| core.free(own))?;
         drop(this);
         for run in runs {
             match run {
                 OtherRun::Native(pool, ids) => {
                     let mut other = pool.try_borrow_mut()?;
-                    other.core.free(&ids).map_err(|e| other.error(e))?;
-                    other.sync_elastic(slf.py())?;
+                    other.operate(slf.py(), &ids, "free", |core| core.free(&ids))?;
                 }
                 OtherRun::Python(pool, objs) => {
                     pool.call_method1("free_blocks", (PyList::new(slf.py(), objs)?,))?;
@@ -537,12 +598,12 @@ impl NativeBlockPool {
     /// free queue. The null block is passed over.
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = Self::own_ids(slf, blocks, "touch")?;
-        let this = slf.try_borrow_mut()?;
-        this.check_elastic(slf.py(), &ids, "touch")?;
-        let steps = this
-            .core
-            .touch_steps(ids, this.observers.is_some())
-            .map_err(|e| this.error(e))?;
+        let mut this = slf.try_borrow_mut()?;
+        let observed = this.observers.is_some();
+        // The references are taken notice by notice (`drive`, which syncs the budget).
+        let steps = this.operate(slf.py(), &ids, "touch", |core| {
+            core.touch_steps(ids.clone(), observed)
+        })?;
         Self::drive(slf, this, steps).map(drop)
     }
 
@@ -556,12 +617,12 @@ impl NativeBlockPool {
         let py = slf.py();
         let ids = Self::own_ids(slf, blocks, "unpin_blocks")?;
         let mut guard = slf.try_borrow_mut()?;
-        guard.check_elastic(py, &ids, "unpin")?;
         let this = &mut *guard;
-        this.core
-            .unpin_watched(&ids, &mut this.watchers, || on_reuse.clone_ref(py))
-            .map_err(|e| pool_error(&this.label, e))?;
-        this.sync_elastic(py)
+        let watchers = &mut this.watchers;
+        let (elastic, label) = (this.elastic.as_ref(), &this.label);
+        Self::operate_on(py, elastic, label, &mut this.core, &ids, "unpin", |core| {
+            core.unpin_watched(&ids, watchers, || on_reuse.clone_ref(py))
+        })
     }
 
     fn is_block_writable(slf: &Bound<'_, Self>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
@@ -751,10 +812,9 @@ impl NativeBlockPool {
     ) -> PyResult<()> {
         let id = Self::own_id(slf, block, "_insert_block_hash")?;
         let mut this = slf.try_borrow_mut()?;
-        this.check_elastic(slf.py(), &[id], "cache")?;
-        this.core
-            .insert_hash(block_hash_with_group_id, id, num_tokens)
-            .map_err(|e| pool_error(&this.label, e))
+        this.operate(slf.py(), &[id], "cache", |core| {
+            core.insert_hash(block_hash_with_group_id, id, num_tokens)
+        })
     }
 
     /// vLLM's `_remove_cached_block_hashes`: unlink every key of `block` and return the
@@ -838,10 +898,9 @@ impl NativeBlockPool {
         let src = Self::own_id(slf, src_block, "move_block_hashes")?;
         let dst = Self::own_id(slf, dst_block, "move_block_hashes")?;
         let mut this = slf.try_borrow_mut()?;
-        this.check_elastic(slf.py(), &[src, dst], "move the keys of")?;
-        this.core
-            .move_hashes(src, dst)
-            .map_err(|e| pool_error(&this.label, e))
+        this.operate(slf.py(), &[src, dst], "move the keys of", |core| {
+            core.move_hashes(src, dst)
+        })
     }
 
     /// Evict blocks from the prefix cache by ID (IDs of this pool). Every ID is checked
