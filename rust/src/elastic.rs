@@ -10,8 +10,8 @@
 //! and holds them again. The pools record which blocks go in and out of use
 //! ([`GroupPool::track_live_changes`]); [`sync`] passes that on to the budget.
 //!
-//! Allocation policy for `n` new pages of group `g` ([`prepare`], then the pool's own pop
-//! of `n` pages from the front of its queue):
+//! Allocation policy for `n` new pages of group `g` ([`allocate`]: [`prepare`], then the
+//! pool's own pop of `n` pages from the front of its queue):
 //! 1. empty pages: as many as the front of `g`'s queue holds before its first cached page;
 //! 2. then unowned slabs, lent to `g` (memory nobody uses, before any eviction);
 //! 3. then `g`'s own cached pages, least recently used first;
@@ -517,6 +517,28 @@ pub fn prepare(
     Ok(taken)
 }
 
+/// `n` new pages for group `g` in one core call, as every elastic allocation runs: the
+/// memory the policy lends ([`prepare`]; evicted keys go to `removed` with their group),
+/// then `pop` (the pool's pop of `n` pages, given `removed` too) as one [`operate`] on
+/// `g`'s pool, so the pages are claimed in the budget before the caller runs anything
+/// else. Returns the pop's answer and the slabs taken back (their watchers are the
+/// caller's to tell). Refused, with nothing changed, when the policy runs short.
+pub fn allocate<T, R: FnMut(GroupIndex, BlockId, &[u8])>(
+    budget: &mut ByteBudget,
+    pools: &mut [&mut GroupPool],
+    g: GroupIndex,
+    n: usize,
+    reserved: &HashSet<SlabId>,
+    mut removed: R,
+    pop: impl FnOnce(&mut GroupPool, &mut R) -> Result<T, PoolError>,
+) -> Result<(T, Vec<TakenBack>), PoolError> {
+    let taken = prepare(budget, pools, g, n, reserved, &mut removed)?;
+    let got = operate(budget, g, &mut *pools[g], &[], "allocate", |pool| {
+        pop(pool, &mut removed)
+    })?;
+    Ok((got, taken))
+}
+
 /// Admission as a reservation: plan the step (`hits` taken first, then `news` in order,
 /// as [`plan_steps`]) and, if it fits, lend every slab the plan lends at once. The slabs
 /// the step counts on join `reserved` until the step ends, so no allocation of the step
@@ -790,28 +812,26 @@ impl ElasticPools {
         })
     }
 
-    /// `n` new pages for group `g`: [`prepare`], then the pool's pop. Evicted keys go to
-    /// `removed` with their group.
+    /// `n` new pages for group `g` ([`allocate`]). Evicted keys go to `removed` with their
+    /// group.
     pub fn allocate(
         &mut self,
         g: GroupIndex,
         n: usize,
-        mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
+        removed: impl FnMut(GroupIndex, BlockId, &[u8]),
     ) -> Result<Vec<BlockId>, PoolError> {
-        {
-            let mut refs: Vec<&mut GroupPool> = self.pools.iter_mut().collect();
-            prepare(
-                &mut self.budget,
-                &mut refs,
-                g,
-                n,
-                &self.reserved,
-                &mut removed,
-            )?;
-        }
-        self.operate(g, &[], "allocate", |pool| {
-            pool.allocate(n, |id, k| removed(g, id, k))
-        })
+        self.budget.check_group(g)?;
+        let mut refs: Vec<&mut GroupPool> = self.pools.iter_mut().collect();
+        let (got, _) = allocate(
+            &mut self.budget,
+            &mut refs,
+            g,
+            n,
+            &self.reserved,
+            removed,
+            |pool, removed| pool.allocate(n, |id, k| removed(g, id, k)),
+        )?;
+        Ok(got)
     }
 
     pub fn check_invariants(&self) -> Result<(), String> {

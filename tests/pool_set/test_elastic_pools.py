@@ -302,6 +302,34 @@ def test_taking_a_slab_back_tells_reuse_watchers_and_observers() -> None:
     elastic.check_invariants()
 
 
+def test_a_raising_watcher_of_a_slab_taken_back_leaves_the_pools_whole() -> None:
+    """A reuse watcher that raises while its slab is taken back for another group's
+    allocation: the allocation raises that error, and the pages it popped are claimed
+    (held once, counted live in the budget), never left neither free nor held."""
+    elastic = NativeElasticPools(64, 2, [16, 64])
+    pools = [BlockPool(elastic.num_pages(g), True, BS, label=f"g{g}") for g in (0, 1)]
+    for g, pool in enumerate(pools):
+        elastic.attach(g, pool)
+    a = pools[0].get_new_blocks(4)
+
+    def raising(block: Any) -> None:
+        raise RuntimeError(f"watcher of block {block.block_id}")
+
+    pools[0].unpin_blocks(a, raising)
+    free_before = pools[1].get_num_free_blocks()
+    with pytest.raises(RuntimeError, match="watcher of block"):
+        pools[1].get_new_blocks(1)
+    elastic.check_invariants()
+    for pool in pools:
+        pool.check_invariants()
+    assert elastic.num_owned(1) == 1 and elastic.num_live_pages(1) == 1
+    assert pools[1].get_num_free_blocks() == free_before
+    (claimed,) = [i for i, n in enumerate(pools[1].ref_counts()) if n == 1 and i > 0]
+    pools[1].free_blocks([pools[1]._block(claimed)])
+    elastic.check_invariants()
+    assert elastic.num_live_pages(1) == 0
+
+
 def test_caching_calls_refuse_blocks_the_budget_holds() -> None:
     """Giving a key to a block of a slab the group does not own would put a held block in
     the prefix cache: every caching call refuses it, naming the block, and changes

@@ -11,6 +11,7 @@ use crate::byte_budget::{ByteBudget, GroupIndex, SlabId};
 use crate::elastic::{self, TakenBack};
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, GroupPool};
+use crate::reuse::ReuseWatchers;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
@@ -92,18 +93,35 @@ impl NativeElasticPools {
         elastic::check_named(&self.budget, g, pool, ids, op)
     }
 
-    /// Run `op` over the budget and every group's core pool (all borrowed for the call);
-    /// keys it evicts become `BlockRemoved` events of their own pool, and the pages of
-    /// slabs it takes back are reported to their pool's reuse watchers and observers.
+    /// Run `op` over the budget and every group's pool (all borrowed for the call); keys
+    /// it evicts become `BlockRemoved` events of their own pool, and the pages of slabs it
+    /// takes back are reported to their pool's reuse watchers and observers.
     fn with_pools<T>(
         slf: &Bound<'_, Self>,
         op: impl FnOnce(
             &mut ByteBudget,
-            &mut [&mut GroupPool],
+            &mut [&mut NativeBlockPool],
             &mut HashSet<SlabId>,
             &mut dyn FnMut(GroupIndex, BlockId, &[u8]),
         ) -> Result<(T, Vec<TakenBack>), PoolError>,
     ) -> PyResult<T> {
+        let (value, told) = Self::with_pools_told_after(slf, op)?;
+        told.map(|()| value)
+    }
+
+    /// [`Self::with_pools`], answering `op`'s value even when telling the Python layer of
+    /// its removed keys or taken-back slabs fails (that outcome comes second): what `op`
+    /// did is done either way.
+    #[allow(clippy::type_complexity)]
+    fn with_pools_told_after<T>(
+        slf: &Bound<'_, Self>,
+        op: impl FnOnce(
+            &mut ByteBudget,
+            &mut [&mut NativeBlockPool],
+            &mut HashSet<SlabId>,
+            &mut dyn FnMut(GroupIndex, BlockId, &[u8]),
+        ) -> Result<(T, Vec<TakenBack>), PoolError>,
+    ) -> PyResult<(T, PyResult<()>)> {
         let py = slf.py();
         let pools = slf.try_borrow()?.attached(py)?;
         let mut keys: Vec<RemovedKeys> = Vec::with_capacity(pools.len());
@@ -117,26 +135,53 @@ impl NativeElasticPools {
             }
             let mut this = slf.try_borrow_mut()?;
             let this = &mut *this;
-            let mut refs: Vec<&mut GroupPool> = guards.iter_mut().map(|g| &mut g.core).collect();
+            let mut refs: Vec<&mut NativeBlockPool> = guards.iter_mut().map(|g| &mut **g).collect();
             let mut sink = |h: GroupIndex, _: BlockId, key: &[u8]| keys[h].push(key);
             op(&mut this.budget, &mut refs, &mut this.reserved, &mut sink)
                 .map_err(|e| pool_error(&this.label, e))
         };
+        let mut told = Ok(());
         for (p, k) in pools.iter().zip(keys) {
-            NativeBlockPool::emit_removed(p.bind(py), k)?;
+            told = told.and(NativeBlockPool::emit_removed(p.bind(py), k));
         }
-        let (value, taken) = outcome?;
+        let (value, taken) = match outcome {
+            Ok(done) => done,
+            Err(e) => return told.and(Err(e)),
+        };
         for t in taken {
-            NativeBlockPool::taken_back(pools[t.group].bind(py), &t.pages, &t.evicted)?;
+            if told.is_ok() {
+                told = NativeBlockPool::taken_back(pools[t.group].bind(py), &t.pages, &t.evicted);
+            }
         }
-        Ok(value)
+        Ok((value, told))
     }
 
-    /// Lend group `g` the memory its next `n` pops need (see [`elastic::prepare`]).
-    pub(crate) fn prepare(slf: &Bound<'_, Self>, g: GroupIndex, n: usize) -> PyResult<()> {
-        Self::with_pools(slf, |budget, pools, reserved, removed| {
-            let taken = elastic::prepare(budget, pools, g, n, reserved, removed)?;
-            Ok(((), taken))
+    /// `n` new pages for group `g` ([`elastic::allocate`]: the memory lent, then `pop` on
+    /// the group's core pool with its reuse watchers, the budget synced at once). The pop's
+    /// answer comes even if a watcher of a slab taken back raised (second): the pages are
+    /// off the queue and the caller must still claim them.
+    pub(crate) fn allocate<T>(
+        slf: &Bound<'_, Self>,
+        g: GroupIndex,
+        n: usize,
+        pop: impl FnOnce(&mut GroupPool, &mut ReuseWatchers<Py<PyAny>>) -> Result<T, PoolError>,
+    ) -> PyResult<(T, PyResult<()>)> {
+        Self::with_pools_told_after(slf, |budget, pools, reserved, removed| {
+            let mut cores = Vec::with_capacity(pools.len());
+            let mut watchers = None;
+            for (h, pool) in pools.iter_mut().enumerate() {
+                let pool = &mut **pool;
+                if h == g {
+                    watchers = Some(&mut pool.watchers);
+                }
+                cores.push(&mut pool.core);
+            }
+            let watchers = watchers.ok_or_else(|| {
+                PoolError::InvalidArgument(format!("group {g} has no pool attached"))
+            })?;
+            elastic::allocate(budget, &mut cores, g, n, reserved, removed, |core, _| {
+                pop(core, watchers)
+            })
         })
     }
 
@@ -287,8 +332,11 @@ impl NativeElasticPools {
         let (hit_ids, news) = Self::step_args(slf, &hits, news)?;
         let hit_refs: Vec<&[BlockId]> = hit_ids.iter().map(Vec::as_slice).collect();
         Self::with_pools(slf, |budget, pools, reserved, removed| {
+            let mut cores: Vec<&mut GroupPool> = pools.iter_mut().map(|p| &mut p.core).collect();
             Ok(
-                match elastic::reserve_steps(budget, pools, &hit_refs, &news, reserved, removed)? {
+                match elastic::reserve_steps(
+                    budget, &mut cores, &hit_refs, &news, reserved, removed,
+                )? {
                     Ok(taken) => (None, taken),
                     Err(short) => (Some((short.group, short.missing)), Vec::new()),
                 },

@@ -48,7 +48,7 @@ impl BlockObservers {
 pub struct NativeBlockPool {
     pub(super) core: GroupPool,
     handles: HandleTable,
-    watchers: ReuseWatchers<Py<PyAny>>,
+    pub(super) watchers: ReuseWatchers<Py<PyAny>>,
     observers: Option<BlockObservers>,
     /// Called with a list of removed keys when events are on (builds `BlockRemoved`).
     removed_sink: Option<Py<PyAny>>,
@@ -504,39 +504,45 @@ impl NativeBlockPool {
         num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let num_blocks = saturating_int(num_blocks)?;
-        let link = slf
-            .try_borrow()?
-            .elastic
-            .as_ref()
-            .map(|l| (l.owner.clone_ref(slf.py()), l.group));
-        if let Some((owner, group)) = link {
-            // Lend this group the memory the policy calls for (the pool is not borrowed:
-            // taking a slab back may evict in another group's pool).
-            let n = usize::try_from(num_blocks).map_err(|_| {
-                let this = slf.try_borrow();
-                let label = this.as_ref().map(|t| t.label.as_str()).unwrap_or("pool");
-                PyValueError::new_err(format!("{label}: cannot get {num_blocks} blocks"))
-            })?;
-            NativeElasticPools::prepare(owner.bind(slf.py()), group, n)?;
-        }
+        let (link, observed) = {
+            let this = slf.try_borrow()?;
+            let link = this
+                .elastic
+                .as_ref()
+                .map(|l| (l.owner.clone_ref(slf.py()), l.group));
+            (link, this.observers.is_some())
+        };
+        let (steps, told) = match link {
+            // The memory lent, the pop, and the budget's sync are one core call
+            // (`elastic::allocate`; the pool is not borrowed here: taking a slab back
+            // may evict in another group's pool).
+            Some((owner, group)) => {
+                let n = usize::try_from(num_blocks).map_err(|_| {
+                    let this = slf.try_borrow();
+                    let label = this.as_ref().map(|t| t.label.as_str()).unwrap_or("pool");
+                    PyValueError::new_err(format!("{label}: cannot get {num_blocks} blocks"))
+                })?;
+                NativeElasticPools::allocate(owner.bind(slf.py()), group, n, |core, watchers| {
+                    core.hand_out(num_blocks, watchers, observed)
+                })?
+            }
+            None => {
+                let mut guard = slf.try_borrow_mut()?;
+                let this = &mut *guard;
+                let steps = this
+                    .core
+                    .hand_out(num_blocks, &mut this.watchers, observed)
+                    .map_err(|e| pool_error(&this.label, e))?;
+                (steps, Ok(()))
+            }
+        };
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
-        let observed = this.observers.is_some();
-        let watchers = &mut this.watchers;
-        let (elastic, label) = (this.elastic.as_ref(), &this.label);
-        // The pop and the budget's sync are one core operation: no callback runs between.
-        let steps = Self::operate_on(
-            slf.py(),
-            elastic,
-            label,
-            &mut this.core,
-            &[],
-            "allocate",
-            |core| core.hand_out(num_blocks, watchers, observed),
-        )?;
         let list = this.handles.list(slf, this.core.num_blocks(), steps.ids());
-        // The blocks are off the free queue: claim them even if the list failed.
+        // The blocks are off the free queue: claim them even if the list failed, or a
+        // watcher of a slab taken back for them raised.
         let driven = Self::drive(slf, guard, steps);
+        told?;
         let list = list?;
         driven?;
         Ok(list)
