@@ -14,8 +14,10 @@ bytes moved both ways; every block of every pool back at the end. The engines st
 for all the tests that read them, in three batches side by side: the Qwen3-Next ones
 (stock, per-group, drop-in, injected load failures; the per-group one also writes vLLM's
 filesystem tier), then a fresh per-group engine process that reads those files back (a
-restart) next to the Nemotron-H pair (whose per-group run writes files too), then a
-Nemotron-H restart over those files that also preempts (float32: exact tokens).
+restart) next to the Nemotron-H pair (whose per-group run writes files too), then the
+restarts that preempt after loads (Nemotron-H over its files, float32: exact tokens, on
+the static split and on elastic pools; Qwen3-Next over its files on elastic pools, bf16:
+held to the recompute replay) next to the drop-in pool that preempts, then the replays.
 """
 
 from __future__ import annotations
@@ -90,7 +92,13 @@ def _check_offloaded(stock: dict[str, Any], ours: dict[str, Any], pool: str) -> 
 
 
 # Runs whose small device pool preempts requests after they generated tokens.
-PREEMPTING = ("restarted_preempting", "drop_in_preempting")
+# Runs whose small device pool preempts requests after they generated tokens -> the stock
+# run (no offloading, same answer length) whose tokens they start from.
+PREEMPTING = {"restarted_preempting": "stock_long", "drop_in_preempting": "stock"}
+# Answers long enough that requests which loaded their prefixes from the files outgrow an
+# elastic budget while decoding (the loads are admitted with the prompt's blocks): the
+# Qwen3-Next restart at 10 blocks preempts its requests after 157 tokens.
+QWEN_LONG = ["--max-tokens", "200"]
 
 # Injected load failures: run -> KV-cache groups whose blocks the failing load tears. With
 # per-group pools the tiny Qwen3-Next has group 0 = GDN state ('align' mode), 1 = full
@@ -174,13 +182,13 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
         "nemotron_stock": ("vllm", False, [*WORKLOAD, *common]),
         "nemotron_per_group": ("rust", True, _offloading("nemotron_h", _fs_tier(nemotron_root))),
     }
-    models = {"nemotron_stock": nemotron, "nemotron_per_group": nemotron}
+    models = {name: nemotron for name in second if name.startswith("nemotron")}
     results.update(run_engines(model, workdir, second, models))
-    # A restart over the Nemotron-H files with a device pool too small for two requests: it
-    # loads from the files and preempts, in float32, so its tokens must be stock's exactly.
-    # The static split: elastic pools admit a load only where its whole sequence fits, so
-    # their loaded requests are not preempted (the elastic restart that preempts after
-    # loads is "restarted_preempting" below).
+    # Restarts over the Nemotron-H files with a device pool too small for two requests: they
+    # load from the files and preempt, in float32, so their tokens must be stock's exactly.
+    # On the static split (`--no-elastic-pools`, 8 blocks), and on the default elastic
+    # pools with a budget of 5 attention blocks' static split: the loads are admitted with
+    # the prompt's blocks, and decoding outgrows the budget.
     third = {
         "nemotron_restarted": (
             "rust",
@@ -194,36 +202,45 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
                 "--no-elastic-pools",
                 *_fs_tier(nemotron_root),
             ],
-        )
+        ),
+        "nemotron_elastic_restarted": (
+            "rust",
+            True,
+            [
+                *WORKLOAD,
+                *common,
+                *OFFLOAD,
+                "--num-gpu-blocks",
+                "5",
+                *_fs_tier(nemotron_root),
+            ],
+        ),
     }
     # The issue-18 schedules, both preempting requests that have generated tokens: a
-    # per-group restart over the Qwen3-Next files with a 12-block device pool (the static
-    # split, as above), and the drop-in pool offloading with 20 blocks (bf16 GDN: held to
-    # the recompute replay).
+    # restart over the Qwen3-Next files on the default elastic pools, with a budget of 10
+    # attention blocks' static split and 200-token answers (as above: decoding outgrows
+    # the budget after the loads), and the drop-in pool offloading with 20 blocks (bf16
+    # GDN: both held to the recompute replay).
     third.update(
         {
             "restarted_preempting": (
                 "rust",
                 True,
-                [
-                    *WORKLOAD,
-                    *OFFLOAD,
-                    "--num-gpu-blocks",
-                    "12",
-                    "--no-elastic-pools",
-                    *_fs_tier(fs_root),
-                ],
+                [*WORKLOAD, *QWEN_LONG, *OFFLOAD, "--num-gpu-blocks", "10", *_fs_tier(fs_root)],
             ),
             "drop_in_preempting": ("rust", False, [*WORKLOAD, *OFFLOAD, "--num-gpu-blocks", "20"]),
         }
     )
     results.update(run_engines(nemotron, workdir, third, {name: model for name in PREEMPTING}))
-    # Each preempting run's recompute, replayed on stock's pool (see check_recompute_replay).
-    replays = {}
-    for name in PREEMPTING:
+    # Each preempting run's recompute, replayed on stock's pool (see check_recompute_replay),
+    # next to stock with the elastic restart's answer length.
+    replays = {"stock_long": ("vllm", False, [*WORKLOAD, *QWEN_LONG])}
+    for name, reference in PREEMPTING.items():
         prompts = workdir / f"{name}_replay_prompts.json"
         prompts.write_text(json.dumps([replay_prompts(results[name])]))
-        replays[f"{name}_replay"] = ("vllm", False, [*WORKLOAD, "--prompts", str(prompts)])
+        answers = QWEN_LONG if reference == "stock_long" else []
+        replay_args = [*WORKLOAD, *answers, "--prompts", str(prompts)]
+        replays[f"{name}_replay"] = ("vllm", False, replay_args)
     results.update(run_engines(model, workdir, replays))
     return results
 
@@ -314,9 +331,9 @@ def test_preemption_after_output_is_recompute(
     offload_runs: dict[str, dict[str, Any]], run: str
 ) -> None:
     """Issue 18's divergence: a Qwen3-Next (bf16) engine whose device pool is too small for
-    two requests, restarted over the filesystem tier with per-group pools (the static
-    split: elastic pools admit a load only where its whole sequence fits), or the drop-in
-    pool with the CPU tier, preempts requests after they generated tokens. Those requests'
+    two requests, restarted over the filesystem tier on elastic per-group pools (the
+    default; 200-token answers outgrow the budget after the loads), or the drop-in pool
+    with the CPU tier, preempts requests after they generated tokens. Those requests'
     later tokens differ from stock's uninterrupted run (vLLM's own pool does the same when it
     preempts after output: README, "Preemption and recompute"). Every token is still exactly
     accounted for: stock's before the preemption, and after it exactly what stock's pool
@@ -324,54 +341,27 @@ def test_preemption_after_output_is_recompute(
     recomputes. A block loaded into the wrong place or a state from another request would
     break that equality."""
     ours = offload_runs[run]
-    recomputed = check_recompute_replay(offload_runs["stock"], ours, offload_runs[f"{run}_replay"])
+    stock = offload_runs[PREEMPTING[run]]
+    recomputed = check_recompute_replay(stock, ours, offload_runs[f"{run}_replay"])
     assert recomputed > 0, ours["probe"]["before_reset"]["resumed"]
+    if run == "restarted_preempting":
+        assert "hybrid_alloc: elastic per-group KV-cache pools: one budget" in ours["log_text"]
     metrics = ours["metrics"]
     assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
     assert ours["reset_prefix_cache_ok"] is True
     assert_every_block_back(ours["probe"]["before_reset"])
 
 
-ELASTIC_RESTART_TOKENS = ["--max-tokens", "300"]
-
-
-@pytest.fixture(scope="module")
-def elastic_restart_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Issue 18's float32 oracle on elastic pools: Nemotron-H stock without offloading next
-    to a per-group run that writes the filesystem tier; then a restarted per-group engine
-    on the default elastic pools over those files, with a budget of 5 attention blocks'
-    static split and 300-token answers, so requests that loaded their prefixes from the
-    files grow past the budget while decoding and are preempted."""
-    from tests.support.tiny_model import write_tiny_hybrid_model
-
-    workdir = tmp_path_factory.mktemp("offload_elastic_restart")
-    nemotron = write_tiny_hybrid_model(workdir / "nemotron_h", "nemotron_h")
-    common = FAMILIES["nemotron_h"][0]
-    root = workdir / "kv_files"
-    runs = run_engines(
-        nemotron,
-        workdir,
-        {
-            "stock": ("vllm", False, [*WORKLOAD, *common, *ELASTIC_RESTART_TOKENS]),
-            "writer": ("rust", True, _offloading("nemotron_h", _fs_tier(root))),
-        },
-    )
-    restart_args = [*WORKLOAD, *common, *ELASTIC_RESTART_TOKENS, *OFFLOAD]
-    restart_args += ["--num-gpu-blocks", "5", *_fs_tier(root)]
-    runs.update(run_engines(nemotron, workdir, {"restarted": ("rust", True, restart_args)}))
-    return runs
-
-
 def test_restart_preempting_after_loads_on_elastic_pools_float32(
-    elastic_restart_runs: dict[str, dict[str, Any]],
+    offload_runs: dict[str, dict[str, Any]],
 ) -> None:
-    """The restart that preempts after a load, on elastic pools (the default): every
-    request's prefix comes from the filesystem tier, requests that generated tokens are
-    preempted and recomputed, and every token is stock's (float32: a wrong block would
-    change them, rounding cannot)."""
-    ours = elastic_restart_runs["restarted"]
+    """The restart that preempts after a load, on elastic pools (the default), over the
+    files of the first Nemotron-H run: every request's prefix comes from the filesystem
+    tier, requests that generated tokens are preempted and recomputed, and every token is
+    stock's (float32: a wrong block would change them, rounding cannot)."""
+    ours = offload_runs["nemotron_elastic_restarted"]
     assert "hybrid_alloc: elastic per-group KV-cache pools: one budget" in ours["log_text"]
-    assert ours["outputs"] == elastic_restart_runs["stock"]["outputs"]
+    assert ours["outputs"] == offload_runs["nemotron_stock"]["outputs"]
     metrics = ours["metrics"]
     assert metrics["preemptions"] > 0, metrics
     assert metrics["external_prefix_cache_hits"] > 0 and metrics["offload_load_bytes"] > 0
