@@ -600,6 +600,9 @@ def _headline(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
     primary = _primary(layouts)
     assert primary is not None
     others = [n for n in compared if n != primary]
+    for n in [primary, *others]:
+        lines += _better_by_reason(ok, n)
+        lines += _recompute_check(ok, n)
     lines += _ranked(ok, primary, layouts, worst=True)
     lines += _ranked(ok, primary, layouts, worst=False)
     lines += _cpu_section(cells, layouts)
@@ -608,6 +611,72 @@ def _headline(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
     lines += _findings(ok, compared)
     for n in [primary, *others]:
         lines += _overview(ok, n)
+    return lines
+
+
+def better_reasons(cell: Cell, layout: str) -> list[str]:
+    """Why ``layout`` is better than stock in ``cell`` (every reason that holds; empty
+    unless the verdict is better)."""
+    if _verdict(cell, layout) != "better":
+        return []
+    r = _ratios(cell, layout)
+    reasons = []
+    if r.tput > BETTER_TPUT:
+        reasons.append("throughput")
+    if r.latency < BETTER_LATENCY:
+        reasons.append("latency")
+    if r.hits > BETTER_HITS:
+        reasons.append("prefix hits")
+    return reasons
+
+
+def _better_by_reason(ok: Sequence[Cell], layout: str) -> list[str]:
+    """The better cells of ``layout`` split by what made them better."""
+    better = [c for c in ok if _verdict(c, layout) == "better"]
+    if not better:
+        return []
+    reasons = {id(c): better_reasons(c, layout) for c in better}
+    counts = {
+        k: sum(1 for c in better if k in reasons[id(c)])
+        for k in ("throughput", "latency", "prefix hits")
+    }
+    only_hits = sum(1 for c in better if reasons[id(c)] == ["prefix hits"])
+    return [
+        f"Why {LABELS[layout]} is better in its {len(better)} better cells (a cell may count "
+        f"under several): throughput in {counts['throughput']}, mean latency in "
+        f"{counts['latency']}, prefix hits in {counts['prefix hits']}; prefix hits alone in "
+        f"{only_hits} (16-token hits, which the static split has too).",
+        "",
+    ]
+
+
+RECOMPUTE_LIMIT = 2.0
+"""A layout that recomputes more than this many times stock's tokens after preemptions is
+listed (:func:`_recompute_check`), with whether it is better in simulated time anyway."""
+
+
+def _recompute_check(ok: Sequence[Cell], layout: str) -> list[str]:
+    """Cells where ``layout`` recomputed more than :data:`RECOMPUTE_LIMIT` x stock's tokens
+    after preemptions (any, where stock recomputed none)."""
+    heavy = [
+        c
+        for c in ok
+        if c.layout(layout).recomputed_tokens > RECOMPUTE_LIMIT * c.layout(BASE).recomputed_tokens
+    ]
+    lines = [
+        f"Cells where {LABELS[layout]} recomputed more than {RECOMPUTE_LIMIT:g}x stock's "
+        f"tokens after preemptions: {len(heavy)}" + (":" if heavy else "."),
+        "",
+    ]
+    for c in heavy:
+        r = _ratios(c, layout)
+        lines.append(
+            f"- {c.name}: {c.layout(BASE).recomputed_tokens:,} -> "
+            f"{c.layout(layout).recomputed_tokens:,} tokens, {_verdict(c, layout)} in "
+            f"simulated time (throughput {r.tput:.3f}x, latency {r.latency:.3f}x)"
+        )
+    if heavy:
+        lines.append("")
     return lines
 
 

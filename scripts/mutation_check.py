@@ -137,6 +137,16 @@ MUTANTS = (
         ("tests/manager/test_elastic_step_order.py",),
     ),
     Mutant(
+        "admission-without-decode-room",
+        "elastic pools admit a request into the last free pages, leaving the running "
+        "requests no room to decode (they preempt within their next steps)",
+        "python/hybrid_alloc/integration/coordinator.py",
+        "            extra += self._decode_room_asks(request_id)",
+        "            pass",
+        # test_running_requests_decode_into_their_room: the admission is not refused.
+        ("tests/manager/test_decode_room.py",),
+    ),
+    Mutant(
         "take-back-tells-nobody",
         "a slab taken back from a group evicts and holds its pages without telling their "
         "unpin_blocks watchers or the metrics collector",

@@ -173,6 +173,35 @@ def test_layouts_are_the_planned_ones(
     assert sum(pool.num_blocks * pool.block_bytes for pool in ours.pools) <= memory
 
 
+@pytest.mark.parametrize(
+    # Blocks raised to 1,568 and 48 tokens, and one not raised (16).
+    "name",
+    ["falcon-h1-7b", "zamba2-2.7b", "lfm2-1.2b"],
+)
+def test_decode_room_is_half_of_stocks_block(name: str) -> None:
+    """Elastic pools keep each running request half of the attention block vLLM's shared
+    pool would use for the model (its own platform rule, as the stock layout is built)."""
+    from hybrid_alloc.planner import load_config
+    from hybrid_alloc.vllm_specs import load_model_spec
+
+    sim = _sim()
+    settings = sim.SimSettings(
+        memory=16 * GiB, mamba_cache_mode="none", max_num_seqs=32, max_model_len=4096
+    )
+    stock = sim.simulate(name, settings, Trace("empty", ()), layouts=("stock",)).layouts["stock"]
+    assert stock.ok and stock.attention_block_size is not None, stock.error
+    cfg = load_config(name)
+    model = load_model_spec(cfg, settings.specs, dtype=settings.dtype)
+    with sim.layout_installed("elastic"), sim._quiet_vllm(True):
+        engine = sim.build_engine(cfg, model, settings, "elastic")
+    config = engine.kv_cache_config
+    assert config.elastic is not None
+    assert config.decode_room_tokens == stock.attention_block_size // 2 >= 8
+    assert engine.scheduler.kv_cache_manager.coordinator._decode_room_tokens == (
+        config.decode_room_tokens
+    )
+
+
 def test_align_mode_default_is_vllms_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """'align' mode on a full-size model: the engine keeps vLLM's layout (the worker hook,
     then the engine core's sizing) on the Rust pool, so the default layout makes stock's

@@ -37,7 +37,12 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_coordinator import (
     get_kv_cache_coordinator as _stock_get_kv_cache_coordinator,
 )
-from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager, MambaManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    FullAttentionManager,
+    MambaManager,
+)
+from vllm.v1.request import RequestStatus
 
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolSet
@@ -84,7 +89,9 @@ class PerGroupPoolsMixin:
     single_type_managers: tuple[Any, ...]
     retention_interval: int | None
 
-    def _adopt_pool_set(self, pool_set: PoolSet, max_model_len: int) -> None:
+    def _adopt_pool_set(
+        self, pool_set: PoolSet, max_model_len: int, decode_room_tokens: int = 0
+    ) -> None:
         """Give every manager its group's pool. Runs right after vLLM's ``__init__``,
         before any block is allocated, so the pool vLLM built is never used."""
         if pool_set.num_groups != len(self.single_type_managers):
@@ -116,6 +123,18 @@ class PerGroupPoolsMixin:
         # vLLM `reserved_blocks` of an async load it is admitting.
         self._allocating: str | None = None
         self._load_reserved_blocks = 0
+        # Decode room (`_decode_room_asks`): whether `allocate_slots` is admitting a
+        # waiting or preempted request beside scheduled ones, the tokens of room each
+        # running request keeps meanwhile, the groups whose blocks grow with the sequence
+        # (full attention), and each request's length as `allocate_slots` last saw it.
+        self._admitting = False
+        self._decode_room_tokens = decode_room_tokens if pool_set.elastic is not None else 0
+        self._room_groups = [
+            gid
+            for gid, m in enumerate(self.single_type_managers)
+            if isinstance(m, FullAttentionManager)
+        ]
+        self._seen_tokens: dict[str, int] = {}
         # Reservation queries since the last `allocate_slots`: vLLM's scheduler asks what
         # each in-flight prefill still needs just before it admits an async load; per
         # request, (pool, pages) in the managers' order and the count answered.
@@ -312,11 +331,41 @@ class PerGroupPoolsMixin:
             # holds, and there is nothing to reserve; the plan would answer the same.
             return primary_need
         extra = self._load_reservation_asks() if loads_reserved else []
+        if self._admitting:
+            extra += self._decode_room_asks(request_id)
         if not pool_set.plan(hits, news + extra):
             return pool_set.get_num_free_blocks() + 1
         if not apply_admission_cap:
             self._admitted_step = (request_id, hits, news)
         return primary_need
+
+    def _decode_room_asks(self, request_id: str) -> list[tuple[int, int]]:
+        """(pool, pages) the running requests lack for ``decode_room_tokens`` more tokens
+        each, past their length. An admission plans them too (they are not reserved), so
+        a request is admitted beside running ones only if each of them keeps the room
+        that vLLM's shared pool, whose attention blocks are twice that long, leaves in a
+        request's last block on average. Without it 16-token pages admit into the last
+        free pages, and the running requests' next decode steps preempt one, which then
+        recomputes its whole prompt."""
+        if not self._decode_room_tokens:
+            return []
+        asks: list[tuple[int, int]] = []
+        for gid in self._room_groups:
+            manager = self.single_type_managers[gid]
+            size = manager.block_size
+            pages = 0
+            for rid, blocks in manager.req_to_blocks.items():
+                if rid != request_id:
+                    end = self._seen_tokens.get(rid, 0) + self._decode_room_tokens
+                    pages += max(0, -(-end // size) - len(blocks))
+            if pages:
+                asks.append((self.pool_set.pool_index_of_group(gid), pages))
+        return asks
+
+    def free(self, request_id: str) -> None:
+        """vLLM's; the request's length is forgotten with its blocks."""
+        self._seen_tokens.pop(request_id, None)
+        super().free(request_id)  # type: ignore[misc]
 
     def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
         """What an in-flight prefill still needs, in vLLM's units: primary-pool pages of
@@ -453,7 +502,7 @@ class PerGroupHybridCoordinator(PerGroupPoolsMixin, HybridKVCacheCoordinator):
             metrics_collector,
             extra,
         )
-        self._adopt_pool_set(pool_set, max_model_len)
+        self._adopt_pool_set(pool_set, max_model_len, kv_cache_config.decode_room_tokens)
         # vLLM batched the lookup of groups with equal specs because they shared a pool;
         # with their own pools each is looked up in its own (the check at
         # ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` compares the
@@ -501,7 +550,7 @@ class PerGroupNoPrefixCacheCoordinator(PerGroupPoolsMixin, KVCacheCoordinatorNoP
             metrics_collector,
             extra,
         )
-        self._adopt_pool_set(pool_set, max_model_len)
+        self._adopt_pool_set(pool_set, max_model_len, kv_cache_config.decode_room_tokens)
 
 
 def get_kv_cache_coordinator(
@@ -612,10 +661,25 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         args_list[_RESERVED_BLOCKS_ARG] = 0
     coordinator._allocating = request.request_id
     coordinator._load_reserved_blocks = reserved if loading else 0
+    if coordinator._decode_room_tokens:
+        # Its length after this step, or its prompt's if longer (a prefill in chunks
+        # needs all of it; a resumed request replays its output as prompt).
+        num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
+        coordinator._seen_tokens[request.request_id] = max(
+            request.num_prompt_tokens,
+            request.num_tokens - 1,
+            request.num_computed_tokens + num_new,
+        )
+        # Like vLLM's watermark: only for a waiting or preempted request, and only beside
+        # requests already scheduled this step.
+        coordinator._admitting = bool(
+            kwargs.get("has_scheduled_reqs", True)
+        ) and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     try:
         return _stock_allocate_slots(self, request, *args_list, **kwargs)
     finally:
         coordinator._allocating = None
+        coordinator._admitting = False
         coordinator._load_reserved_blocks = 0
         coordinator._reservation_queries.clear()
         coordinator._end_step()

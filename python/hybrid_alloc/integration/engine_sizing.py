@@ -564,6 +564,27 @@ def size_elastic_groups(
     return sizing.size_elastic(needs, memory, max_model_len=max_model_len)
 
 
+def stock_decode_room_tokens(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """Half the attention block vLLM's shared pool would use for these groups: the room a
+    request's last block leaves it to decode into there, on average.
+
+    vLLM's rule (``Platform._align_hybrid_block_size``) raises the attention block, in
+    multiples of the configured one, until one attention page holds the largest Mamba/GDN
+    page; without Mamba/GDN groups the block stays as configured. 0 without a
+    full-attention group (nothing grows)."""
+    attention = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+    if not attention:
+        return 0
+    block = max(spec.block_size for spec in attention)
+    token_bytes = max(spec.page_size_bytes // spec.block_size for spec in attention)
+    state_pages = [
+        g.kv_cache_spec.page_size_bytes for g in groups if isinstance(g.kv_cache_spec, MambaSpec)
+    ]
+    if state_pages and token_bytes > 0:
+        block = max(block, block * cdiv(max(state_pages), block * token_bytes))
+    return block // 2
+
+
 def build_elastic_config(
     vllm_config: Any, groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizing
 ) -> PerGroupKVCacheConfig:
@@ -603,6 +624,7 @@ def build_elastic_config(
         pool_layouts=layouts,
         elastic=_as_elastic_layout(elastic),
         zero_new_blocks=True,
+        decode_room_tokens=stock_decode_room_tokens(groups),
     )
     _set_tp_replicas(vllm_config, config, groups)
     return config
@@ -632,6 +654,9 @@ def describe_elastic(groups: list[KVCacheGroupSpec], elastic: sizing.ElasticSizi
             f"tokens, {needs.block_bytes:,} B a block{padded}, {per_slab} a slab, "
             f"{needs.blocks_per_request} a request"
         )
+    room = stock_decode_room_tokens(groups)
+    if room:
+        parts.append(f"admissions leave each running request {room} tokens to decode into")
     return "; ".join(parts)
 
 
