@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.integration import coordinator as pg_coordinator
-from tests.helpers import BLOCK, new_request
+from tests.helpers import (
+    BLOCK,
+    PER_GROUP_LAYOUTS,
+    new_request,
+    per_group_config,
+    per_group_manager,
+)
 from tests.manager.test_elastic_manager import Driver, elastic_config, run
 
 ROOM = 64
@@ -35,8 +41,6 @@ def installed() -> Iterator[None]:
 
 
 def manager(room: int) -> Any:
-    from tests.helpers import per_group_manager
-
     config = elastic_config(LAYOUT, SLABS)
     config.decode_room_tokens = room
     return per_group_manager(config)
@@ -151,8 +155,6 @@ def test_the_room_follows_each_running_request() -> None:
 
 def test_static_pools_keep_no_room() -> None:
     """The rule is elastic pools' (one budget); static pools never ask for it."""
-    from tests.helpers import PER_GROUP_LAYOUTS, per_group_config, per_group_manager
-
     specs = PER_GROUP_LAYOUTS[LAYOUT]
     config = per_group_config(specs, [40, 4])
     config.decode_room_tokens = ROOM
@@ -171,8 +173,6 @@ def test_admitted_steps_get_their_blocks_with_the_room(
     d = Driver(layout, num_slabs)
     config = elastic_config(layout, num_slabs)
     config.decode_room_tokens = ROOM
-    from tests.helpers import per_group_manager
-
     d.mgr = per_group_manager(config)
     d.pools = d.mgr.coordinator.pool_set
     with installed():

@@ -37,9 +37,10 @@ class PerGroupKVCacheConfig(KVCacheConfig):
     elastic: ElasticLayout | None = None
     """One byte budget for every pool (elastic pools); None: each pool its own blocks."""
     decode_room_tokens: int = 0
-    """Elastic pools: tokens of decode room each running request keeps past its prompt
-    while another request is admitted (see `PerGroupPoolsMixin._decode_room_asks`); the
-    engine core sets half of the attention block vLLM's shared pool would use."""
+    """Elastic pools: tokens of room to decode into that each running request keeps past
+    its length when another request is admitted beside it (see
+    `PerGroupPoolsMixin._decode_room_asks`); the engine core sets half of the attention
+    block vLLM's shared pool would use."""
     zero_new_blocks: bool = False
     """Whether new blocks are zeroed (stock vLLM's rule, :attr:`needs_kv_cache_zeroing`);
     the engine core's config sets it (:func:`.engine_sizing.build_config`). Zeroing needs
