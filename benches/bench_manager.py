@@ -105,6 +105,8 @@ class MixRun:
         self.prefix_hit_tokens = 0
 
     def prefill(self) -> float:
+        from vllm.v1.request import RequestStatus
+
         manager = self.manager
         t0 = time.perf_counter()
         for req in self.requests:
@@ -115,7 +117,12 @@ class MixRun:
                 # chunks in a step; the manager's calls are the same).
                 self.new_step()
                 n = self.chunk(req, req.num_tokens - req.num_computed_tokens - num_hit, num_hit)
-                new = manager.allocate_slots(req, n, num_hit, computed)
+                if req.status == RequestStatus.RUNNING:
+                    # A later chunk: the scheduler's call for a running request.
+                    new = manager.allocate_slots(req, n, num_lookahead_tokens=0)
+                else:
+                    new = manager.allocate_slots(req, n, num_hit, computed)
+                    req.status = RequestStatus.RUNNING  # admitted, as the scheduler marks it
                 if new is None:
                     raise RuntimeError(
                         f"{self.name}: request {req.request_id} not admitted: the mix does "
@@ -148,7 +155,7 @@ class MixRun:
         t0 = time.perf_counter()
         self.new_step()
         for req in self.requests:
-            new = manager.allocate_slots(req, 1)
+            new = manager.allocate_slots(req, 1, num_lookahead_tokens=0)
             if new is None:
                 raise RuntimeError(
                     f"{self.name}: request {req.request_id} would be preempted: the mix does "

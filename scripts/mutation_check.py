@@ -147,6 +147,16 @@ MUTANTS = (
         ("tests/manager/test_decode_room.py",),
     ),
     Mutant(
+        "quiet-step-ignores-window",
+        "a decode step is answered as quiet while a block of the request leaves its "
+        "sliding window (vLLM would free it there)",
+        "python/hybrid_alloc/integration/quiet_step.py",
+        "            if windowed:",
+        "            if False:",
+        # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
+        ("tests/manager/test_quiet_steps.py",),
+    ),
+    Mutant(
         "take-back-tells-nobody",
         "a slab taken back from a group evicts and holds its pages without telling their "
         "unpin_blocks watchers or the metrics collector",

@@ -36,10 +36,11 @@ from tests.helpers import (
 LAYOUTS = ("full+mamba_align", "full+mamba_none", "full+swa+mamba_align")
 
 
-def elastic_config(layout: str, num_slabs: int) -> PerGroupKVCacheConfig:
-    """The layout's per-group config with one byte budget of ``num_slabs`` slabs, each the
-    least common multiple of the pools' page sizes."""
-    specs = PER_GROUP_LAYOUTS[layout]
+def elastic_config(layout: str | list[Any], num_slabs: int) -> PerGroupKVCacheConfig:
+    """The layout's per-group config (a name in ``PER_GROUP_LAYOUTS`` or the specs) with
+    one byte budget of ``num_slabs`` slabs, each the least common multiple of the pools'
+    page sizes."""
+    specs = PER_GROUP_LAYOUTS[layout] if isinstance(layout, str) else layout
     config = per_group_config(specs, [2] * len(specs))
     pages = tuple(specs[layout_.group_ids[0]].page_size_bytes for layout_ in config.pool_layouts)
     slab = math.lcm(*pages)

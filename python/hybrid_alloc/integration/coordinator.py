@@ -46,8 +46,13 @@ from vllm.v1.request import RequestStatus
 
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolSet
+from hybrid_alloc.integration.quiet_step import QuietStepCheck
 
 logger = logging.getLogger("hybrid_alloc")
+
+# Whether coordinators built from now on answer quiet decode steps without vLLM's walk
+# (`quiet_step`); off only to compare the two paths.
+QUIET_STEPS = True
 
 
 def uncounted_loaded_blocks(
@@ -117,6 +122,9 @@ class PerGroupPoolsMixin:
         ]
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
+        self._quiet_check = (
+            QuietStepCheck.for_managers(self.single_type_managers) if QUIET_STEPS else None
+        )
         self._max_model_len = max_model_len
         # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
         # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
@@ -629,6 +637,8 @@ _stock_allocate_slots = _kv_cache_manager.KVCacheManager.allocate_slots
 # arguments after the request.
 _DELAY_CACHE_BLOCKS_ARG = 5
 _RESERVED_BLOCKS_ARG = 8
+# The arguments vLLM's scheduler passes for a running request's step, after its count.
+_DECODE_STEP_KWARGS = frozenset({"num_lookahead_tokens"})
 
 
 def _allocate_slots_is_ours() -> bool:
@@ -636,14 +646,40 @@ def _allocate_slots_is_ours() -> bool:
 
 
 def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    """vLLM's `KVCacheManager.allocate_slots`; under elastic pools it tells the coordinator
-    which request it serves, and an async KV load's ``reserved_blocks`` (what in-flight
-    prefills still need, one count) becomes the coordinator's plan of those same needs
-    pool by pool: the load is admitted exactly when the budget holds the load and every
-    reservation, and vLLM's one-count comparison then sees no reservation (it would
-    compare pages of several pools, and slabs, as one number)."""
+    """vLLM's `KVCacheManager.allocate_slots`. On per-group pools a running request's
+    step that changes nothing (`quiet_step`) returns vLLM's answer for it at once; under
+    elastic pools it tells the coordinator which request it serves, and an async KV load's
+    ``reserved_blocks`` (what in-flight prefills still need, one count) becomes the
+    coordinator's plan of those same needs pool by pool: the load is admitted exactly when
+    the budget holds the load and every reservation, and vLLM's one-count comparison then
+    sees no reservation (it would compare pages of several pools, and slabs, as one
+    number)."""
     coordinator = self.coordinator
-    if not isinstance(coordinator, PerGroupPoolsMixin) or coordinator.pool_set.elastic is None:
+    if not isinstance(coordinator, PerGroupPoolsMixin):
+        return _stock_allocate_slots(self, request, *args, **kwargs)
+    quiet = coordinator._quiet_check
+    if (
+        quiet is not None
+        and len(args) == 1
+        and kwargs.keys() <= _DECODE_STEP_KWARGS
+        and request.status == RequestStatus.RUNNING
+        and args[0] > 0
+    ):
+        # The scheduler's call for a running request (no hits, loads or encoder tokens):
+        # vLLM's `num_tokens_need_slot` and the processed prefix `remove_skipped_blocks`
+        # is given, as `allocate_slots` computes them.
+        max_len = self.max_model_len
+        computed = min(request.num_computed_tokens, max_len)
+        slots = min(computed + args[0] + kwargs.get("num_lookahead_tokens", 0), max_len)
+        processed = max(0, computed - request.num_in_flight_tokens)
+        if quiet.is_quiet(request.request_id, slots, processed):
+            if coordinator._decode_room_tokens:
+                _note_length(coordinator, request, args[0])
+            if coordinator._reservation_queries:
+                # As after any `allocate_slots` (below): the queries were for this step.
+                coordinator._reservation_queries.clear()
+            return self.empty_kv_cache_blocks
+    if coordinator.pool_set.elastic is None:
         return _stock_allocate_slots(self, request, *args, **kwargs)
     args_list = list(args)
     loading = bool(
@@ -662,14 +698,8 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     coordinator._allocating = request.request_id
     coordinator._load_reserved_blocks = reserved if loading else 0
     if coordinator._decode_room_tokens:
-        # Its length after this step, or its prompt's if longer (a prefill in chunks
-        # needs all of it; a resumed request replays its output as prompt).
         num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
-        coordinator._seen_tokens[request.request_id] = max(
-            request.num_prompt_tokens,
-            request.num_tokens - 1,
-            request.num_computed_tokens + num_new,
-        )
+        _note_length(coordinator, request, num_new)
         # Like vLLM's watermark: only for a waiting or preempted request, and only beside
         # requests already scheduled this step.
         coordinator._admitting = bool(
@@ -683,6 +713,17 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         coordinator._load_reserved_blocks = 0
         coordinator._reservation_queries.clear()
         coordinator._end_step()
+
+
+def _note_length(coordinator: PerGroupPoolsMixin, request: Any, num_new: int) -> None:
+    """The request's length after this step, or its prompt's if longer (a prefill in
+    chunks needs all of it; a resumed request replays its output as prompt): what its
+    decode room is counted from (`PerGroupPoolsMixin._decode_room_asks`)."""
+    coordinator._seen_tokens[request.request_id] = max(
+        request.num_prompt_tokens,
+        request.num_tokens - 1,
+        request.num_computed_tokens + num_new,
+    )
 
 
 def install() -> None:
