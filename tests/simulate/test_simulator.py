@@ -5,6 +5,7 @@ behaves as vLLM's runners do, and the ``hybrid-alloc simulate`` command."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -426,3 +427,38 @@ def test_cli_imports_no_vllm() -> None:
     """``plan`` keeps working without vLLM: the CLI imports the simulator lazily."""
     code = "import sys, hybrid_alloc.cli, hybrid_alloc.traces; sys.exit('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("layout", ["elastic", "per-group"])
+def test_quiet_steps_schedule_alike(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's scheduler over per-group pools makes the same schedule with quiet decode
+    steps (`integration.quiet_step`) as with vLLM's whole ``allocate_slots`` on every
+    call: the same preemptions, tokens, simulated time and per-step series, on memory
+    tight enough to preempt."""
+    from hybrid_alloc.integration import coordinator
+
+    sim = _sim()
+    rng = random.Random(5)
+    trace = Trace(
+        "long outputs",
+        tuple(
+            TraceRequest(0.01 * i, rng.randint(100, 600), rng.randint(300, 1500), f"r{i}")
+            for i in range(30)
+        ),
+    )
+    config = sim.SimSettings(
+        memory=tight_memory("qwen3.5-0.8b", "none", 6, 1.0),
+        mamba_cache_mode="none",
+        max_num_seqs=6,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+    )
+    runs = []
+    for quiet in (False, True):
+        monkeypatch.setattr(coordinator, "QUIET_STEPS", quiet)
+        r = sim.simulate("qwen3.5-0.8b", config, trace, layouts=(layout,)).layouts[layout]
+        assert r.ok, r.error
+        runs.append(r.to_json(with_series=True))
+    timings = ("scheduler_cpu_s", "scheduler_wall_s", "build_s", "cpu_us_per_step")
+    slow, quick = ({k: v for k, v in run.items() if k not in timings} for run in runs)
+    assert slow["preemptions"] > 0 and slow["finished"] == 30
+    assert quick == slow
