@@ -40,8 +40,16 @@ def installed() -> Iterator[None]:
         pg_coordinator.uninstall()
 
 
+ROOM = 48
+"""Elastic pools' decode room here (`PerGroupPoolsMixin._decode_room_asks`)."""
+
+
 def build(specs: list[Any], elastic: bool, quiet: bool) -> Any:
-    config = elastic_config(specs, 24) if elastic else per_group_config(specs, [60] * len(specs))
+    if elastic:
+        config = elastic_config(specs, 24)
+        config.decode_room_tokens = ROOM
+    else:
+        config = per_group_config(specs, [60] * len(specs))
     previous = pg_coordinator.QUIET_STEPS
     pg_coordinator.QUIET_STEPS = quiet
     try:
@@ -85,8 +93,13 @@ class Twins:
         self.outputs: dict[str, int] = {}
         self.calls = 0
         self.preempted = 0
+        self.lengths: dict[str, int] = {}
 
     def allocate(self, rid: str, *args: Any, **kwargs: Any) -> bool:
+        req = self.reqs[rid][0]
+        self.lengths[rid] = max(
+            req.num_prompt_tokens, req.num_tokens - 1, req.num_computed_tokens + args[0]
+        )
         with installed():
             got = [
                 ids(m.allocate_slots(r, *args, **kwargs))
@@ -110,6 +123,20 @@ class Twins:
             if ra.status == RequestStatus.RUNNING:
                 assert a.get_block_ids(rid) == b.get_block_ids(rid), rid
         assert a.block_pool.free_counts() == b.block_pool.free_counts()
+        for mgr in self.mgrs:
+            coordinator = mgr.coordinator
+            if not coordinator._decode_room_tokens:
+                continue
+            # The room counted request by request is what walking them all gives.
+            walked = []
+            for manager, size, pool in coordinator._room_groups:
+                pages = sum(
+                    max(0, -(-(self.lengths[rid] + ROOM) // size) - len(blocks))
+                    for rid, blocks in manager.req_to_blocks.items()
+                )
+                if pages:
+                    walked.append((pool, pages))
+            assert coordinator._decode_room_asks("") == walked
 
 
 def drive(twins: Twins, seed: int, steps: int) -> None:

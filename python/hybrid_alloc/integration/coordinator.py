@@ -133,16 +133,18 @@ class PerGroupPoolsMixin:
         self._load_reserved_blocks = 0
         # Decode room (`_decode_room_asks`): whether `allocate_slots` is admitting a
         # waiting or preempted request beside scheduled ones, the tokens of room each
-        # running request keeps meanwhile, the groups whose blocks grow with the sequence
-        # (full attention), and each request's length as `allocate_slots` last saw it.
+        # running request keeps meanwhile, and per group whose blocks grow with the
+        # sequence (full attention: manager, block size, pool) the pages each request
+        # lacks for its room and their total (`_count_room`).
         self._admitting = False
         self._decode_room_tokens = decode_room_tokens if pool_set.elastic is not None else 0
         self._room_groups = [
-            gid
+            (m, m.block_size, pool_set.pool_index_of_group(gid))
             for gid, m in enumerate(self.single_type_managers)
             if isinstance(m, FullAttentionManager)
         ]
-        self._seen_tokens: dict[str, int] = {}
+        self._room_lacks: dict[str, list[int]] = {}
+        self._room_totals = [0] * len(self._room_groups)
         # Reservation queries since the last `allocate_slots`: vLLM's scheduler asks what
         # each in-flight prefill still needs just before it admits an async load; per
         # request, (pool, pages) in the managers' order and the count answered.
@@ -354,26 +356,57 @@ class PerGroupPoolsMixin:
         that vLLM's shared pool, whose attention blocks are twice that long, leaves in a
         request's last block on average. Without it 16-token pages admit into the last
         free pages, and the running requests' next decode steps preempt one, which then
-        recomputes its whole prompt."""
+        recomputes its whole prompt. The admitted request's own room is not counted."""
         if not self._decode_room_tokens:
             return []
+        own = self._room_lacks.get(request_id)
         asks: list[tuple[int, int]] = []
-        for gid in self._room_groups:
-            manager = self.single_type_managers[gid]
-            size = manager.block_size
-            pages = 0
-            for rid, blocks in manager.req_to_blocks.items():
-                if rid != request_id:
-                    end = self._seen_tokens.get(rid, 0) + self._decode_room_tokens
-                    pages += max(0, -(-end // size) - len(blocks))
+        for i, (_, _, pool) in enumerate(self._room_groups):
+            pages = self._room_totals[i] - (own[i] if own else 0)
             if pages:
-                asks.append((self.pool_set.pool_index_of_group(gid), pages))
+                asks.append((pool, pages))
         return asks
 
+    def _count_room(self, request_id: str, length: int) -> None:
+        """Recount the pages ``request_id`` lacks for its room at ``length`` tokens, from
+        the blocks it holds now. A request's count changes only with its length and its
+        blocks, which change only in its own ``allocate_slots`` (where this runs, after
+        vLLM's) and when it is freed (`_forget_room`); so the totals an admission reads
+        are what walking every running request would give, at one request's cost."""
+        end = length + self._decode_room_tokens
+        lacks = self._room_lacks.get(request_id)
+        if lacks is None:
+            lacks = self._room_lacks[request_id] = [0] * len(self._room_groups)
+        totals = self._room_totals
+        held = False
+        for i, (manager, size, _) in enumerate(self._room_groups):
+            blocks = manager.req_to_blocks.get(request_id)
+            lack = 0
+            if blocks is not None:
+                held = True
+                lack = max(0, -(-end // size) - len(blocks))
+            totals[i] += lack - lacks[i]
+            lacks[i] = lack
+        if not held:
+            # Not running (refused, or not admitted yet): nothing to keep room for.
+            del self._room_lacks[request_id]
+
+    def _forget_room(self, request_id: str) -> None:
+        lacks = self._room_lacks.pop(request_id, None)
+        if lacks is not None:
+            for i, lack in enumerate(lacks):
+                self._room_totals[i] -= lack
+
     def free(self, request_id: str) -> None:
-        """vLLM's; the request's length is forgotten with its blocks."""
-        self._seen_tokens.pop(request_id, None)
+        """vLLM's; the request's room is forgotten with its blocks."""
+        self._forget_room(request_id)
         super().free(request_id)  # type: ignore[misc]
+
+    def pop_blocks_for_free(self, request_id: str) -> Any:
+        """vLLM's (a free the scheduler defers while a step may still write the blocks);
+        the request's room is forgotten with its blocks."""
+        self._forget_room(request_id)
+        return super().pop_blocks_for_free(request_id)  # type: ignore[misc]
 
     def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
         """What an in-flight prefill still needs, in vLLM's units: primary-pool pages of
@@ -674,7 +707,7 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         processed = max(0, computed - request.num_in_flight_tokens)
         if quiet.is_quiet(request.request_id, slots, processed):
             if coordinator._decode_room_tokens:
-                _note_length(coordinator, request, args[0])
+                coordinator._count_room(request.request_id, _room_length(request, args[0]))
             if coordinator._reservation_queries:
                 # As after any `allocate_slots` (below): the queries were for this step.
                 coordinator._reservation_queries.clear()
@@ -697,9 +730,9 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         args_list[_RESERVED_BLOCKS_ARG] = 0
     coordinator._allocating = request.request_id
     coordinator._load_reserved_blocks = reserved if loading else 0
+    length = 0
     if coordinator._decode_room_tokens:
-        num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
-        _note_length(coordinator, request, num_new)
+        length = _room_length(request, int(args[0] if args else kwargs.get("num_new_tokens", 0)))
         # Like vLLM's watermark: only for a waiting or preempted request, and only beside
         # requests already scheduled this step.
         coordinator._admitting = bool(
@@ -708,6 +741,8 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     try:
         return _stock_allocate_slots(self, request, *args_list, **kwargs)
     finally:
+        if length:
+            coordinator._count_room(request.request_id, length)
         coordinator._allocating = None
         coordinator._admitting = False
         coordinator._load_reserved_blocks = 0
@@ -715,11 +750,11 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         coordinator._end_step()
 
 
-def _note_length(coordinator: PerGroupPoolsMixin, request: Any, num_new: int) -> None:
+def _room_length(request: Any, num_new: int) -> int:
     """The request's length after this step, or its prompt's if longer (a prefill in
     chunks needs all of it; a resumed request replays its output as prompt): what its
     decode room is counted from (`PerGroupPoolsMixin._decode_room_asks`)."""
-    coordinator._seen_tokens[request.request_id] = max(
+    return max(
         request.num_prompt_tokens,
         request.num_tokens - 1,
         request.num_computed_tokens + num_new,
