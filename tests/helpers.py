@@ -523,6 +523,18 @@ def genuine_stock_manager(config: KVCacheConfig, events: bool = False) -> KVCach
     return mgr
 
 
+@contextmanager
+def allocate_slots_installed() -> Iterator[None]:
+    """The per-group coordinator's ``allocate_slots`` (it tells the coordinator who is
+    admitted, answers quiet steps, counts the decode room) on vLLM's `KVCacheManager`
+    for the duration, vLLM's own afterwards."""
+    pg_coordinator.install()
+    try:
+        yield
+    finally:
+        pg_coordinator.uninstall()
+
+
 def per_group_manager(
     config: PerGroupKVCacheConfig, events: bool = False, collector: Any = None
 ) -> KVCacheManager:

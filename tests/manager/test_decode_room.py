@@ -6,8 +6,6 @@ last block on average), through vLLM's own `KVCacheManager` with the installed
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -15,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc.integration import coordinator as pg_coordinator
 from tests.helpers import (
     BLOCK,
     PER_GROUP_LAYOUTS,
+    allocate_slots_installed,
     new_request,
     per_group_config,
     per_group_manager,
@@ -30,16 +28,6 @@ LAYOUT = "full+mamba_none"
 SLABS = 6
 
 
-@contextmanager
-def installed() -> Iterator[None]:
-    """The coordinator's ``allocate_slots`` (it tells the coordinator who is admitted)."""
-    pg_coordinator.install()
-    try:
-        yield
-    finally:
-        pg_coordinator.uninstall()
-
-
 def manager(room: int) -> Any:
     config = elastic_config(LAYOUT, SLABS)
     config.decode_room_tokens = room
@@ -48,7 +36,7 @@ def manager(room: int) -> Any:
 
 def admit(mgr: Any, rid: str, length: int, scheduled: bool) -> Request | None:
     req = new_request(rid, [(7 * i + len(rid)) % 5000 for i in range(length)], 32)
-    with installed():
+    with allocate_slots_installed():
         new = mgr.allocate_slots(
             req, length, full_sequence_must_fit=True, has_scheduled_reqs=scheduled
         )
@@ -106,7 +94,7 @@ def test_an_admission_leaves_running_requests_their_decode_room() -> None:
 
 def decode(mgr: Any, req: Request, steps: int) -> int:
     """Decode ``steps`` tokens of a running request; the steps it got."""
-    with installed():
+    with allocate_slots_installed():
         for token in range(steps):
             if mgr.allocate_slots(req, 1) is None:
                 return token
@@ -176,7 +164,7 @@ def test_admitted_steps_get_their_blocks_with_the_room(
     config.decode_room_tokens = ROOM
     d.mgr = per_group_manager(config)
     d.pools = d.mgr.coordinator.pool_set
-    with installed():
+    with allocate_slots_installed():
         run(d, seed, [(20, 30), (150, 8), (20, 30)])
     e = d.pools.elastic
     assert e is not None

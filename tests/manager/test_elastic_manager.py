@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc.integration import coordinator as pg_coordinator
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import ElasticLayout, PoolSet
 from tests.helpers import (
     MAX_LEN,
     PER_GROUP_LAYOUTS,
+    allocate_slots_installed,
     kept_per_live,
     new_request,
     per_group_config,
@@ -197,11 +197,8 @@ class Loads:
         if not self.honour:
             yield
             return
-        pg_coordinator.install()
-        try:
+        with allocate_slots_installed():
             yield
-        finally:
-            pg_coordinator.uninstall()
 
     def _allocate(self, req: Request, *args: Any, **kwargs: Any) -> Any:
         with self._installed():

@@ -12,8 +12,6 @@ a request decodes)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -21,7 +19,14 @@ from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.integration import coordinator as pg_coordinator
 from hybrid_alloc.integration.quiet_step import QuietStepCheck
-from tests.helpers import attn, new_request, per_group_config, per_group_manager, state_mamba
+from tests.helpers import (
+    allocate_slots_installed,
+    attn,
+    new_request,
+    per_group_config,
+    per_group_manager,
+    state_mamba,
+)
 from tests.manager.test_elastic_manager import elastic_config
 
 LAYOUTS: dict[str, list[Any]] = {
@@ -29,15 +34,6 @@ LAYOUTS: dict[str, list[Any]] = {
     "full+mamba_none+spec": [attn(), state_mamba("none", speculative_blocks=2)],
     "full+swa+mamba_none": [attn(), attn(window=32), state_mamba("none")],
 }
-
-
-@contextmanager
-def installed() -> Iterator[None]:
-    pg_coordinator.install()
-    try:
-        yield
-    finally:
-        pg_coordinator.uninstall()
 
 
 ROOM = 48
@@ -100,7 +96,7 @@ class Twins:
         self.lengths[rid] = max(
             req.num_prompt_tokens, req.num_tokens - 1, req.num_computed_tokens + args[0]
         )
-        with installed():
+        with allocate_slots_installed():
             got = [
                 ids(m.allocate_slots(r, *args, **kwargs))
                 for m, r in zip(self.mgrs, self.reqs[rid], strict=True)

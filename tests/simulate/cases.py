@@ -3,14 +3,30 @@ the engine runs, and settings for small random simulations (helpers, no tests he
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tests.support.engine_run import build_workload
 
 PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
 PROBE_SCHEDULER = "tests.support.probe.ProbeScheduler"
+
+
+def load_bench(name: str) -> ModuleType:
+    """``benches/<name>.py`` as a module (benches are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[2] / "benches" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Its dataclasses resolve their annotations through sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def budget(examples: int) -> int:

@@ -4,29 +4,13 @@ drop-in pool making stock's decisions, and every block back at the end."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.simulate.cases import load_bench
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_manager", ROOT / "benches/bench_manager.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Its dataclasses resolve their annotations through sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _held_blocks(engine: Any) -> dict[str, int]:
@@ -44,7 +28,7 @@ def _held_blocks(engine: Any) -> dict[str, int]:
 def test_manager_bench_runs_every_layout(mode: str) -> None:
     from hybrid_alloc.integration.simulator import SimSettings
 
-    bench = _bench()
+    bench = load_bench("bench_manager")
     settings = SimSettings(
         memory=2 * 2**30, mamba_cache_mode=mode, max_num_seqs=12, time_model="fixed"
     )

@@ -4,24 +4,10 @@ their verdict in simulated time."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_serving", ROOT / "benches/bench_serving.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.simulate.cases import load_bench
 
 
 def _layout(tput: float, latency: float, hits: float, recomputed: int) -> Any:
@@ -41,7 +27,7 @@ def _cell(bench: ModuleType, name: str, stock: Any, elastic: Any) -> Any:
 
 
 def test_better_cells_are_split_by_reason() -> None:
-    bench = _bench()
+    bench = load_bench("bench_serving")
     base = _layout(1.0, 10.0, 0.20, 0)
     cells = [
         _cell(bench, "tput", base, _layout(1.10, 10.0, 0.20, 0)),
@@ -64,7 +50,7 @@ def test_better_cells_are_split_by_reason() -> None:
 
 
 def test_heavy_recompute_is_listed_with_its_verdict() -> None:
-    bench = _bench()
+    bench = load_bench("bench_serving")
     cells = [
         # Twice stock's recompute exactly: not listed.
         _cell(bench, "twice", _layout(1.0, 10.0, 0.0, 100), _layout(1.0, 10.0, 0.0, 200)),
