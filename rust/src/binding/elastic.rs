@@ -425,12 +425,9 @@ impl NativeElasticPools {
 
     /// Pages the group has in use.
     fn num_live_pages(&self, group: i64) -> PyResult<u64> {
-        let g = self.group(group)?;
-        Ok(self
-            .budget
-            .owned_slabs(g)
-            .map(|s| u64::from(self.budget.live(s)))
-            .sum())
+        // The budget's running count (`check_invariants` compares it with its slabs'):
+        // vLLM reads the usage every step, and summing the slabs cost ~40 us there.
+        Ok(self.budget.live_pages(self.group(group)?))
     }
 
     /// (granted, released): slabs the group took from the budget and gave back.
