@@ -910,6 +910,20 @@ mod tests {
         }
     }
 
+    /// `news` allocated in order on a copy of `e`: the copy and each group's pages, or
+    /// None if one allocation ran short.
+    fn allocated_for_real(
+        e: &ElasticPools,
+        news: &[(GroupIndex, usize)],
+    ) -> Option<(ElasticPools, Vec<Vec<BlockId>>)> {
+        let mut trial = e.clone();
+        let mut req = vec![Vec::new(); e.pools.len()];
+        for &(g, n) in news {
+            req[g].extend(trial.allocate(g, n, |_, _, _| {}).ok()?);
+        }
+        Some((trial, req))
+    }
+
     #[test]
     fn memory_moves_both_ways() {
         // Slabs of 64 bytes: four 16-byte attention pages or one 64-byte state page.
@@ -1224,19 +1238,10 @@ mod tests {
                         .unwrap()
                         .is_ok()
                 };
-                let mut trial = e.clone();
-                let mut req = vec![Vec::new(); groups];
-                let real = news
-                    .iter()
-                    .all(|&(g, n)| match trial.allocate(g, n, |_, _, _| {}) {
-                        Ok(got) => {
-                            req[g].extend(got);
-                            true
-                        }
-                        Err(_) => false,
-                    });
+                let made = allocated_for_real(&e, &news);
+                let real = made.is_some();
                 assert_eq!(fits, real, "plan {fits}, for real {real}: {news:?}");
-                if fits {
+                if let Some((trial, req)) = made {
                     admitted += 1;
                     e = trial;
                     live.push(req);
@@ -1294,19 +1299,7 @@ mod tests {
                     short += 1;
                 }
                 // Keep the step's first allocations, as an admission without the room.
-                let mut req = vec![Vec::new(); groups];
-                let mut trial = e.clone();
-                let all =
-                    news[..groups]
-                        .iter()
-                        .all(|&(g, n)| match trial.allocate(g, n, |_, _, _| {}) {
-                            Ok(got) => {
-                                req[g].extend(got);
-                                true
-                            }
-                            Err(_) => false,
-                        });
-                if all {
+                if let Some((trial, req)) = allocated_for_real(&e, &news[..groups]) {
                     e = trial;
                     live.push(req);
                 }
