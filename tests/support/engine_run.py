@@ -165,12 +165,16 @@ def _metrics_summary(metrics: list[Any]) -> dict[str, Any]:
         elif m.name in wanted_hist:
             key = wanted_hist[m.name]
             out[key] = out.get(key, 0) + int(m.count)
+        elif m.name == "vllm:nixl_bytes_transferred":
+            # NIXL reads on the decode side: their count and their bytes.
+            out["nixl_transfers"] = out.get("nixl_transfers", 0) + int(m.count)
+            out["nixl_bytes"] = out.get("nixl_bytes", 0) + int(m.sum)
     return out
 
 
 def _child_main(args: argparse.Namespace) -> int:
     # Runs with HYBRID_ALLOC_BACKEND already in the environment (set by the parent).
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     waves = build_workload(
         seed=args.seed,
@@ -219,6 +223,16 @@ def _child_main(args: argparse.Namespace) -> int:
         except ValueError:
             engine_kwargs[key] = value
 
+    if args.pd_role is not None:
+        # NIXL between two processes on this machine, KV in CPU memory; a
+        # kv_transfer_config given with --engine-arg adds to it (e.g. its failure policy).
+        engine_kwargs["kv_transfer_config"] = {
+            "kv_connector": "NixlConnector",
+            "kv_buffer_device": "cpu",
+            **engine_kwargs.get("kv_transfer_config", {}),
+            "kv_role": "kv_producer" if args.pd_role == "prefill" else "kv_consumer",
+        }
+
     # vLLM's CPU platform stores GDN states in float32 on CPUs with AVX-512 BF16 and in the
     # model's dtype elsewhere ('auto'), which changes page and block sizes, and with them
     # pools and prefix hits, from one CI machine to the next. The model's dtype everywhere.
@@ -228,14 +242,18 @@ def _child_main(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs)
     startup_s = time.perf_counter() - t0
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outputs: list[list[int]] = []
     wave_s: list[float] = []
-    for prompts in waves:
+    transfer_params: list[Any] = []
+    for index, prompts in enumerate(waves):
+        params = _wave_params(args, index, len(prompts))
         t = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wave_s.append(time.perf_counter() - t)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        if args.pd_role is not None:
+            transfer_params.extend(r.kv_transfer_params for r in results)
+            _pd_wave_done(args, index, [r.kv_transfer_params for r in results])
 
     metrics = _metrics_summary(llm.get_metrics())
     # Refused while any block is still held: True also says that no block leaked.
@@ -267,6 +285,7 @@ def _child_main(args: argparse.Namespace) -> int:
         "metrics": metrics,
         "reset_prefix_cache_ok": reset_ok,
         "outputs": outputs,
+        "kv_transfer_params": transfer_params,
         # The prompts, in workload order: tests.helpers.replay_prompts builds on them.
         "prompts": [p for w in waves for p in w],
     }
@@ -278,6 +297,58 @@ def _child_main(args: argparse.Namespace) -> int:
     if shutdown is not None:
         shutdown()
     return 0
+
+
+PD_WAIT_S = 300.0
+"""How long one side of a P/D pair waits for the other's file of a wave."""
+
+
+def _wait_for(path: Path, timeout: float = PD_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine_run: {path} did not appear in {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _wave_params(args: argparse.Namespace, index: int, num_prompts: int) -> Any:
+    """The sampling parameters of wave ``index``: one for every prompt, or (P/D) a list.
+
+    P/D (``--pd-role``), as a proxy in front of two engines runs it: the prefill engine
+    computes each prompt and one token, keeping the prompt's blocks for the decode engine
+    (``do_remote_decode``); the decode engine waits for the prefill engine's
+    ``kv_transfer_params`` of the wave (a file in ``--pd-dir``), then serves the same
+    prompts with them, reading the prompt's KV over NIXL, and generates the whole output."""
+    from vllm import SamplingParams
+
+    def sampling(max_tokens: int, transfer: dict[str, Any] | None) -> Any:
+        extra = None if transfer is None else {"kv_transfer_params": transfer}
+        return SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+        )
+
+    if args.pd_role is None:
+        return sampling(args.max_tokens, None)
+    if args.pd_role == "prefill":
+        return [sampling(1, {"do_remote_decode": True}) for _ in range(num_prompts)]
+    wave_file = args.pd_dir / f"wave{index}.json"
+    _wait_for(wave_file)
+    transfers = json.loads(wave_file.read_text())
+    assert len(transfers) == num_prompts, (wave_file, len(transfers), num_prompts)
+    return [sampling(args.max_tokens, t) for t in transfers]
+
+
+def _pd_wave_done(args: argparse.Namespace, index: int, transfers: list[Any]) -> None:
+    """The prefill side hands the wave's ``kv_transfer_params`` over and waits until the
+    decode side has served the wave (so the next wave's batches do not depend on when the
+    decode side reads); the decode side says it has."""
+    if args.pd_role == "prefill":
+        wave_file = args.pd_dir / f"wave{index}.json"
+        wave_file.with_suffix(".tmp").write_text(json.dumps(transfers))
+        wave_file.with_suffix(".tmp").rename(wave_file)
+        _wait_for(args.pd_dir / f"wave{index}.done")
+    else:
+        (args.pd_dir / f"wave{index}.done").write_text("")
 
 
 # ----------------------------------------------------------------------- parent side
@@ -341,6 +412,8 @@ def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if args.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
+    if args.nixl_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port)
     cmd = [sys.executable, "-m", "tests.support.engine_run", "--child", *argv]
     t0 = time.perf_counter()
     with log_path.open("wb") as log_file:
@@ -509,6 +582,25 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. '0'), to run engines side by side",
     )
+    p.add_argument(
+        "--pd-role",
+        choices=("prefill", "decode"),
+        default=None,
+        help="one side of prefill/decode disaggregation over vLLM's NixlConnector (KV in "
+        "CPU memory); the other side runs with the other role and the same --pd-dir",
+    )
+    p.add_argument(
+        "--pd-dir",
+        type=Path,
+        default=None,
+        help="P/D: the folder the two sides exchange each wave's kv_transfer_params in",
+    )
+    p.add_argument(
+        "--nixl-port",
+        type=int,
+        default=None,
+        help="P/D: VLLM_NIXL_SIDE_CHANNEL_PORT for the engine (distinct per engine)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the child")
     p.add_argument("--quiet", action="store_true", help="do not echo the engine's log")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -517,7 +609,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.pd_role is not None and args.pd_dir is None:
+        parser.error("--pd-role needs --pd-dir")
     if args.child:
         if os.environ.get(ENV_VAR, "").strip().lower() != args.backend:
             os.environ[ENV_VAR] = args.backend  # before vLLM is imported
