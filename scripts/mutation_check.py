@@ -147,6 +147,15 @@ MUTANTS = (
         ("tests/manager/test_decode_room.py",),
     ),
     Mutant(
+        "nixl-reads-every-region",
+        "a NIXL transfer reads a group's block IDs in every layer's region, other groups' "
+        "included (IDs are pool-scoped)",
+        "python/hybrid_alloc/integration/nixl.py",
+        "        regions = np.flatnonzero(groups == group)",
+        "        regions = np.flatnonzero(groups >= 0)",
+        ("tests/engine/test_nixl_layout.py",),
+    ),
+    Mutant(
         "quiet-step-ignores-window",
         "a decode step is answered as quiet while a block of the request leaves its "
         "sliding window (vLLM would free it there)",

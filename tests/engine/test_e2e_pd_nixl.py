@@ -1,0 +1,179 @@
+"""Prefill/decode disaggregation over vLLM's NixlConnector on per-group (elastic) pools.
+
+Two engines, each in its own process and on its own core, as a P/D deployment runs them: the
+prefill engine computes each prompt and one token and keeps the prompt's blocks; the decode
+engine reads them over NIXL (UCX on loopback, KV in CPU memory) by the pool-scoped block IDs
+in ``kv_transfer_params`` and generates the output (``tests.support.engine_run --pd-role``).
+The oracle is the same deployment on vLLM's own pool: the same greedy tokens. (A single
+engine is no oracle for P/D: the decode side continues the prompt from transferred states
+and computes its last token alone, so its arithmetic differs from one prefill over the
+whole prompt; with these tiny bf16 models stock P/D and a single stock engine part within a
+few tokens on some prompts.) 12 requests go through 4 slots, in two waves whose prompts
+share prefixes, so the decode side's second wave also hits its own prefix cache ('align').
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import assert_every_block_back, run_engines, run_pd, slow_e2e
+
+WORKLOAD = [
+    "--kv-cache-mib",
+    "64",
+    "--max-num-seqs",
+    "4",
+    "--waves",
+    "2",
+    "--num-prefixes",
+    "2",
+    "--prompts-per-prefix",
+    "3",
+    "--prefix-len",
+    "300",
+    "--suffix-len",
+    "32",
+    "--max-tokens",
+    "16",
+]
+MODES = {"align": ["--prefix-caching"], "none": ["--no-prefix-caching"]}
+FALLBACK = "per-group KV-cache pools not used"
+REGISTERED = "hybrid_alloc: NIXL registered"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.tiny_model import write_tiny_hybrid_model
+
+    return write_tiny_hybrid_model(tmp_path_factory.mktemp("model"), "qwen3_next")
+
+
+_stock_pd: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def stock_pd(model: Path, workdir: Path, mode: str) -> dict[str, dict[str, Any]]:
+    """The same P/D deployment with vLLM's pool on both sides (once per mode and session)."""
+    if mode not in _stock_pd:
+        _stock_pd[mode] = run_pd(
+            model,
+            workdir / f"stock-{mode}",
+            [*WORKLOAD, *MODES[mode]],
+            prefill=("vllm", False),
+            decode=("vllm", False),
+        )
+    return _stock_pd[mode]
+
+
+def check_served_per_group(run: dict[str, Any]) -> None:
+    log = run["log_text"]
+    assert FALLBACK not in log
+    assert "hybrid_alloc: elastic per-group KV-cache pools: one budget of" in log
+    assert REGISTERED in log
+    assert run["probe"]["init"]["block_pool"] == "hybrid_alloc.integration.pool_set.PoolSet"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "mode",
+    ["align", pytest.param("none", marks=slow_e2e("P/D without prefix caching"))],
+)
+def test_pd_over_nixl_on_elastic_pools(model: Path, tmp_path: Path, mode: str) -> None:
+    """Both sides on elastic per-group pools: the decode side's tokens equal those of the
+    same deployment on vLLM's pool, every prompt token but the last came over NIXL, both
+    sides got every block back, and each side holds more tokens of KV than stock in the
+    same memory."""
+    pd = run_pd(model, tmp_path / "pd", [*WORKLOAD, *MODES[mode]])
+    stock = stock_pd(model, tmp_path, mode)
+    prefill, decode = pd["prefill"], pd["decode"]
+    prompts = decode["prompts"]
+    assert len(prompts) > 2 * 4  # more requests than max_num_seqs, twice over
+    assert decode["outputs"] == stock["decode"]["outputs"]
+    assert prefill["outputs"] == stock["prefill"]["outputs"]
+    assert len({tuple(o) for o in decode["outputs"]}) > len(prompts) // 2
+    assert all(len(o) == 1 for o in prefill["outputs"])
+    for side, run in pd.items():
+        check_served_per_group(run)
+        assert run["metrics"]["finished_requests"] == len(prompts)
+        assert run["reset_prefix_cache_ok"] is True
+        for event in ("before_reset", "after_reset"):
+            assert_every_block_back(run["probe"][event], event)
+        stock_tokens = stock[side]["capacity"]["kv_cache_size_tokens"]
+        assert run["capacity"]["kv_cache_size_tokens"] > stock_tokens
+    metrics = decode["metrics"]
+    assert (
+        metrics["external_prefix_cache_hits"]
+        == (stock["decode"]["metrics"]["external_prefix_cache_hits"])
+    )
+    # Every queried prompt was loaded but its last token, which the decode side computes.
+    assert metrics["external_prefix_cache_hits"] > 0
+    assert metrics["external_prefix_cache_hits"] == (
+        metrics["external_prefix_cache_queries"] - len(prompts)
+    )
+    if mode == "align":
+        # The second wave's shared prefixes were already on the decode side.
+        assert metrics["prefix_cache_hits"] > 0
+    params = [p for p in prefill["kv_transfer_params"] if p]
+    assert len(params) == len(prompts)
+    assert all(len(p["remote_block_ids"]) == 2 for p in params)  # one list per group
+
+
+@pytest.mark.e2e
+@slow_e2e("a failed NIXL read recomputed on per-group pools")
+def test_failed_transfer_recomputes(model: Path, tmp_path: Path) -> None:
+    """The decode side's first two reads fail (nothing is read into their blocks); under
+    vLLM's 'recompute' policy those requests are computed again there, from the whole
+    prompt, to the tokens a single stock engine gives them; the other requests get the
+    stock deployment's tokens, and the decode side gets every block back."""
+    config = {
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"hybrid_alloc_inject_transfer_failures": 2},
+    }
+    own = {"decode": ["--engine-arg", f"kv_transfer_config={json.dumps(config)}"]}
+    workload = [*WORKLOAD, *MODES["none"]]
+    pd = run_pd(model, tmp_path / "pd", workload, own=own, allow_errors=True)
+    stock = stock_pd(model, tmp_path, "none")
+    single = run_engines(model, tmp_path / "single", {"stock": ("vllm", False, workload)})
+    decode = pd["decode"]
+    check_served_per_group(decode)
+    # engine_run's request IDs start with the prompt's index in the workload.
+    failed = {
+        int(m)
+        for m in re.findall(
+            r"NIXL read for request (\d+)-\S+ failed on purpose", decode["log_text"]
+        )
+    }
+    assert len(failed) == 2
+    for index, tokens in enumerate(decode["outputs"]):
+        oracle = single["stock"] if index in failed else stock["decode"]
+        assert tokens == oracle["outputs"][index], index
+    assert decode["metrics"]["finished_requests"] == len(decode["prompts"])
+    assert decode["reset_prefix_cache_ok"] is True
+    for event in ("before_reset", "after_reset"):
+        assert_every_block_back(decode["probe"][event], event)
+
+
+@pytest.mark.e2e
+@slow_e2e("a stock side and a per-group side refusing each other")
+def test_stock_and_per_group_sides_refuse_each_other(model: Path, tmp_path: Path) -> None:
+    """A stock prefill engine and a per-group decode engine: the handshake fails with both
+    layouts named, and every request ends without a token; none is served from bytes laid
+    out for the other pool."""
+    pd = run_pd(
+        model,
+        tmp_path / "pd",
+        [*WORKLOAD, *MODES["none"]],
+        prefill=("vllm", False),
+        allow_errors=True,
+    )
+    decode = pd["decode"]
+    check_served_per_group(decode)
+    log = decode["log_text"]
+    assert "NIXL compatibility hash mismatch" in log
+    assert "hybrid_alloc per-group pools" in log
+    assert decode["outputs"] and all(o == [] for o in decode["outputs"])
+    assert decode["reset_prefix_cache_ok"] is True

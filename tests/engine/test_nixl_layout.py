@@ -1,0 +1,166 @@
+"""The NIXL descriptors of per-group pools (:mod:`hybrid_alloc.integration.nixl`), checked
+against vLLM's own worker allocation: a transfer that copies bytes descriptor by
+descriptor, from a prefill engine's KV cache into a decode engine's of another size, moves
+each layer's pages of the named blocks and nothing else."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_alloc.integration import nixl
+from tests.planner.specs import small_engine_config
+from tests.planner.test_engine_sizing import qwen_like_specs
+
+
+def per_group_config(memory: int, elastic: bool, layout_name: str) -> tuple[object, object]:
+    """(config, vLLM's per-layer views of its KV cache) of the Qwen-like layout (3 GDN
+    layers l.0-l.2 in group 0, attention l.3 in group 1) in ``memory`` bytes."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybrid_alloc.integration import engine_sizing as sizing
+
+    layout = KVCacheLayout[layout_name]
+    cfg = small_engine_config("none")
+    cfg.cache_config.get_resolved_kv_cache_layout = lambda: layout
+    specs = qwen_like_specs("none")
+    groups = sizing.build_groups(specs)
+    if elastic:
+        config = sizing.build_elastic_config(
+            cfg, groups, sizing.size_elastic_groups(cfg, groups, [memory], [specs])
+        )
+    else:
+        config = sizing.build_config(cfg, groups, sizing.size_groups(cfg, groups, memory))
+    return config, allocate_kv_cache(config, torch.device("cpu"), layout)
+
+
+def regions_of(config: object, caches: dict[str, torch.Tensor]) -> list[nixl.Region]:
+    base = next(iter(caches.values())).untyped_storage().data_ptr()
+    layer_specs = {
+        name: group.kv_cache_spec
+        for group in config.kv_cache_groups  # type: ignore[attr-defined]
+        for name in group.layer_names
+    }
+    regions = nixl.layer_regions(config, base, layer_specs, str)  # type: ignore[arg-type]
+    nixl.check_region_views(regions, caches, base)
+    return regions
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
+
+
+def copy_by_descriptors(
+    src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray, dst_ids: np.ndarray
+) -> None:
+    """What one NIXL read does: descriptor ``dst_ids[i]`` gets descriptor ``src_ids[i]``'s
+    bytes (same lengths)."""
+    import ctypes
+
+    assert len(src_ids) == len(dst_ids)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        (src_addr, src_len, _), (dst_addr, dst_len, _) = src[s], dst[d]
+        assert src_len == dst_len
+        ctypes.memmove(int(dst_addr), int(src_addr), int(src_len))
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "static"])
+def test_descriptors_move_each_groups_pages(layout_name: str, elastic: bool) -> None:
+    prefill, p_caches = per_group_config(4 << 20, elastic, layout_name)
+    decode, d_caches = per_group_config(6 << 20, elastic, layout_name)
+    p_regions, d_regions = regions_of(prefill, p_caches), regions_of(decode, d_caches)
+    assert [r.layer for r in p_regions] == ["l.0", "l.1", "l.2", "l.3"]
+    assert [r.group for r in p_regions] == [0, 0, 0, 1]
+    # The two engines share pages and layers, not block counts (their budgets differ).
+    assert nixl.layout_fingerprint(p_regions, 16) == nixl.layout_fingerprint(d_regions, 16)
+    assert [r.num_blocks for r in p_regions] != [r.num_blocks for r in d_regions]
+
+    generator = torch.Generator().manual_seed(0)
+    for caches in (p_caches, d_caches):
+        for cache in caches.values():
+            raw = cache.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    storage = next(iter(d_caches.values())).untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    before = raw.clone()
+    p_last = [p_regions[0].num_blocks - 1, p_regions[3].num_blocks - 1]
+    remote = [[p_last[0]], [3, 1, p_last[1]]]  # one state, three attention blocks
+    local = [[d_regions[0].num_blocks - 1], [2, 7, 5]]
+    src = nixl.region_descriptors(p_regions, 0)
+    dst = nixl.region_descriptors(d_regions, 0)
+    groups = [r.group for r in p_regions]
+    src_ids = nixl.descriptor_ids(remote, groups, [r.num_blocks for r in p_regions])
+    dst_ids = nixl.descriptor_ids(local, groups, [r.num_blocks for r in d_regions])
+    # The decode side's pages are disjoint (as its pools hand them out), one per layer.
+    written = sorted((int(a) - storage.data_ptr(), int(n)) for a, n, _ in dst[dst_ids])
+    assert len(written) == 3 * 1 + 1 * 3
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(written))
+    copy_by_descriptors(src, src_ids, dst, dst_ids)
+
+    for group, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
+        for region in (r for r in d_regions if r.group == group):
+            for d_block, p_block in zip(mine, theirs, strict=True):
+                got, want = d_caches[region.layer][d_block], p_caches[region.layer][p_block]
+                # Bytes, not values: random bytes make NaNs, which equal nothing.
+                assert torch.equal(as_bytes(got), as_bytes(want)), (region.layer, d_block)
+    # Every other byte of the decode side's KV cache is as it was.
+    untouched = torch.ones(raw.numel(), dtype=torch.bool)
+    for offset, length in written:
+        untouched[offset : offset + length] = False
+    assert torch.equal(raw[untouched], before[untouched])
+
+
+def test_descriptor_ids_per_group() -> None:
+    # Regions of groups 1, 0, 0, 1 holding 10, 5, 5, 10 blocks.
+    ids = nixl.descriptor_ids([[2], [3, 4]], [1, 0, 0, 1], [10, 5, 5, 10])
+    assert ids.tolist() == [12, 17, 3, 4, 23, 24]
+    assert nixl.descriptor_ids([[], []], [1, 0], [4, 4]).tolist() == []
+    with pytest.raises(ValueError, match="block 5 of transfer group 0 is outside its pool of 5"):
+        nixl.descriptor_ids([[5], []], [1, 0, 0, 1], [10, 5, 5, 10])
+    with pytest.raises(ValueError, match="block -1 of transfer group 1"):
+        nixl.descriptor_ids([[], [-1]], [1, 0], [4, 4])
+    with pytest.raises(ValueError, match="transfer group 2, which has no region"):
+        nixl.descriptor_ids([[], [], [1]], [1, 0], [4, 4])
+
+
+def test_views_that_spread_a_block_are_refused() -> None:
+    """Heads outside blocks (LHBNC): a block of an attention layer is not one byte range,
+    so one descriptor per layer and block would move the wrong bytes."""
+    config, caches = per_group_config(4 << 20, False, "LHBNC")
+    with pytest.raises(RuntimeError, match=r"layer l.3('s page of \d+ B does not fit| spreads)"):
+        regions_of(config, caches)
+
+
+def test_peer_with_another_layout_is_refused() -> None:
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(
+        transfer_tp_size=1,
+        block_size=16,
+        region_names=["l.0", "l.3"],
+        region_group_ids=[0, 1],
+        block_len_per_layer=[4096, 2048],
+        _hybrid_alloc_layout="hybrid_alloc per-group pools abc",
+    )
+    peer = SimpleNamespace(
+        engine_id="P",
+        block_size=16,
+        physical_blocks_per_logical_kv_block=1,
+        region_names=["l.0", "l.3"],
+        region_group_ids=[0, 1],
+        block_lens=[4096, 2048],
+    )
+    nixl.check_peer_layout(worker, peer, 1)
+    with pytest.raises(RuntimeError, match="tensor parallel size 2 there, 1 here"):
+        nixl.check_peer_layout(worker, peer, 2)
+    peer.block_lens = [4096, 4096]
+    with pytest.raises(RuntimeError, match=r"NIXL peer P .*2 regions there \(l.0: group 0"):
+        nixl.check_peer_layout(worker, peer, 1)
+    peer.block_lens, peer.block_size = [4096, 2048], 544
+    with pytest.raises(RuntimeError, match="block size 544 there, 16 here"):
+        nixl.check_peer_layout(worker, peer, 1)
