@@ -16,9 +16,12 @@ from tests.planner.specs import small_engine_config
 from tests.planner.test_engine_sizing import qwen_like_specs
 
 
-def per_group_config(memory: int, elastic: bool, layout_name: str) -> tuple[object, object]:
+def per_group_config(
+    memory: int, elastic: bool, layout_name: str, kernel_blocks: int = 1
+) -> tuple[object, object]:
     """(config, vLLM's per-layer views of its KV cache) of the Qwen-like layout (3 GDN
-    layers l.0-l.2 in group 0, attention l.3 in group 1) in ``memory`` bytes."""
+    layers l.0-l.2 in group 0, attention l.3 in group 1) in ``memory`` bytes; the
+    runner splits each attention block into ``kernel_blocks``."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -35,19 +38,32 @@ def per_group_config(memory: int, elastic: bool, layout_name: str) -> tuple[obje
         )
     else:
         config = sizing.build_config(cfg, groups, sizing.size_groups(cfg, groups, memory))
-    return config, allocate_kv_cache(config, torch.device("cpu"), layout)
+    kernel_sizes = [
+        g.kv_cache_spec.block_size // (1 if i == 0 else kernel_blocks)
+        for i, g in enumerate(config.kv_cache_groups)
+    ]
+    return config, allocate_kv_cache(config, torch.device("cpu"), layout, kernel_sizes)
 
 
-def regions_of(config: object, caches: dict[str, torch.Tensor]) -> list[nixl.Region]:
+def regions_of(
+    config: object, caches: dict[str, torch.Tensor], kernel_blocks: int = 1
+) -> list[nixl.Region]:
     base = next(iter(caches.values())).untyped_storage().data_ptr()
     layer_specs = {
         name: group.kv_cache_spec
         for group in config.kv_cache_groups  # type: ignore[attr-defined]
         for name in group.layer_names
     }
-    regions = nixl.layer_regions(config, base, layer_specs, str)  # type: ignore[arg-type]
+    regions = nixl.layer_regions(config, base, layer_specs, str, kernel_blocks)  # type: ignore[arg-type]
     nixl.check_region_views(regions, caches, base)
     return regions
+
+
+def kernel_ids(block_ids: list[list[int]], kernel_blocks: int) -> list[list[int]]:
+    """Block IDs as vLLM's NIXL worker hands them to the descriptors: each attention
+    block (group 1) as its kernel blocks; state blocks (group 0) as they are."""
+    attention = [b * kernel_blocks + k for b in block_ids[1] for k in range(kernel_blocks)]
+    return [block_ids[0], attention]
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,12 +84,23 @@ def copy_by_descriptors(
         ctypes.memmove(int(dst_addr), int(src_addr), int(src_len))
 
 
-@pytest.mark.parametrize("layout_name", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize(
+    ("layout_name", "kernel_blocks"),
+    [("LBHNC", 1), ("LBNHC", 1), ("BLHNC", 1), ("BLNHC", 1), ("LBHNC", 2)],
+)
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "static"])
-def test_descriptors_move_each_groups_pages(layout_name: str, elastic: bool) -> None:
-    prefill, p_caches = per_group_config(4 << 20, elastic, layout_name)
-    decode, d_caches = per_group_config(6 << 20, elastic, layout_name)
-    p_regions, d_regions = regions_of(prefill, p_caches), regions_of(decode, d_caches)
+def test_descriptors_move_each_groups_pages(
+    layout_name: str, kernel_blocks: int, elastic: bool
+) -> None:
+    """``kernel_blocks`` 2: the static split's attention blocks viewed as two kernel
+    blocks each (the runners never split elastic pools' blocks), block IDs expanded as
+    vLLM's NIXL worker expands them."""
+    if elastic and kernel_blocks > 1:
+        pytest.skip("the runners never split block-outermost (elastic) blocks")
+    prefill, p_caches = per_group_config(4 << 20, elastic, layout_name, kernel_blocks)
+    decode, d_caches = per_group_config(6 << 20, elastic, layout_name, kernel_blocks)
+    p_regions = regions_of(prefill, p_caches, kernel_blocks)
+    d_regions = regions_of(decode, d_caches, kernel_blocks)
     assert [r.layer for r in p_regions] == ["l.0", "l.1", "l.2", "l.3"]
     assert [r.group for r in p_regions] == [0, 0, 0, 1]
     # The two engines share pages and layers, not block counts (their budgets differ).
@@ -88,24 +115,31 @@ def test_descriptors_move_each_groups_pages(layout_name: str, elastic: bool) -> 
     storage = next(iter(d_caches.values())).untyped_storage()
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)
     before = raw.clone()
-    p_last = [p_regions[0].num_blocks - 1, p_regions[3].num_blocks - 1]
+    p_last = [p_regions[0].num_blocks - 1, p_regions[3].num_blocks // kernel_blocks - 1]
     remote = [[p_last[0]], [3, 1, p_last[1]]]  # one state, three attention blocks
     local = [[d_regions[0].num_blocks - 1], [2, 7, 5]]
     src = nixl.region_descriptors(p_regions, 0)
     dst = nixl.region_descriptors(d_regions, 0)
     groups = [r.group for r in p_regions]
-    src_ids = nixl.descriptor_ids(remote, groups, [r.num_blocks for r in p_regions])
-    dst_ids = nixl.descriptor_ids(local, groups, [r.num_blocks for r in d_regions])
+    src_ids = nixl.descriptor_ids(
+        kernel_ids(remote, kernel_blocks), groups, [r.num_blocks for r in p_regions]
+    )
+    dst_ids = nixl.descriptor_ids(
+        kernel_ids(local, kernel_blocks), groups, [r.num_blocks for r in d_regions]
+    )
     # The decode side's pages are disjoint (as its pools hand them out), one per layer.
     written = sorted((int(a) - storage.data_ptr(), int(n)) for a, n, _ in dst[dst_ids])
-    assert len(written) == 3 * 1 + 1 * 3
+    assert len(written) == 3 * 1 + 1 * 3 * kernel_blocks
     assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(written))
     copy_by_descriptors(src, src_ids, dst, dst_ids)
 
     for group, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
         for region in (r for r in d_regions if r.group == group):
+            split = kernel_blocks if group == 1 else 1
             for d_block, p_block in zip(mine, theirs, strict=True):
-                got, want = d_caches[region.layer][d_block], p_caches[region.layer][p_block]
+                rows = slice(d_block * split, (d_block + 1) * split)
+                got = d_caches[region.layer][rows]
+                want = p_caches[region.layer][p_block * split : (p_block + 1) * split]
                 # Bytes, not values: random bytes make NaNs, which equal nothing.
                 assert torch.equal(as_bytes(got), as_bytes(want)), (region.layer, d_block)
     # Every other byte of the decode side's KV cache is as it was.
@@ -140,6 +174,7 @@ def test_peer_with_another_layout_is_refused() -> None:
     from types import SimpleNamespace
 
     worker = SimpleNamespace(
+        _physical_blocks_per_logical_kv_block=1,
         transfer_tp_size=1,
         block_size=16,
         region_names=["l.0", "l.3"],
@@ -163,4 +198,7 @@ def test_peer_with_another_layout_is_refused() -> None:
         nixl.check_peer_layout(worker, peer, 1)
     peer.block_lens, peer.block_size = [4096, 2048], 544
     with pytest.raises(RuntimeError, match="block size 544 there, 16 here"):
+        nixl.check_peer_layout(worker, peer, 1)
+    peer.block_size, peer.physical_blocks_per_logical_kv_block = 16, 2
+    with pytest.raises(RuntimeError, match="2 kernel blocks a block there, 1 here"):
         nixl.check_peer_layout(worker, peer, 1)

@@ -241,6 +241,8 @@ def _child_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)
     startup_s = time.perf_counter() - t0
+    if args.pd_role is not None:
+        _pd_engines_ready(args)
 
     outputs: list[list[int]] = []
     wave_s: list[float] = []
@@ -309,6 +311,18 @@ def _wait_for(path: Path, timeout: float = PD_WAIT_S) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"engine_run: {path} did not appear in {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def _pd_engines_ready(args: argparse.Namespace) -> None:
+    """The decode side says its engine is up; the prefill side waits for that before its
+    first wave. The prefill engine frees a finished prompt's blocks once the decode side
+    has read them or its lease runs out (vLLM's ``kv_lease_duration``, 30 s), so a decode
+    engine still starting when the first wave is done would find the blocks gone."""
+    ready = args.pd_dir / "decode.ready"
+    if args.pd_role == "decode":
+        ready.write_text("")
+    else:
+        _wait_for(ready)
 
 
 def _wave_params(args: argparse.Namespace, index: int, num_prompts: int) -> Any:

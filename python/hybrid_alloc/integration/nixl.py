@@ -77,14 +77,21 @@ def layer_regions(
     storage_base: int,
     layer_specs: dict[str, Any],
     order: Callable[[str], Any],
+    kernel_blocks: int = 1,
 ) -> list[Region]:
     """The transferable layers' regions of ``config`` in a backing allocation at
-    ``storage_base``, sorted by ``order`` (layer name -> sort key).
+    ``storage_base``, sorted by ``order`` (layer name -> sort key). ``kernel_blocks``: the
+    blocks the model runner splits each attention block into, where the attention backend
+    wants smaller ones (vLLM's ``_physical_blocks_per_logical_kv_block``; it never splits
+    state pages, nor blocks whose pages hold every layer of the group, elastic pools').
 
     Raises:
-        RuntimeError: a tensor lives in host memory, or a layer's page does not fit its
-            stride (a layout these regions do not describe).
+        RuntimeError: a tensor lives in host memory, a layer's page does not fit its
+            stride, or a split block is not consecutive kernel pages (a layout these
+            regions do not describe).
     """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     transfer_index = config.transfer_group_index_by_layer
     regions = []
     for tensor in config.kv_cache_tensors:
@@ -107,14 +114,21 @@ def layer_regions(
                     f"{page} B does not fit its strides (layer {tensor.layer_stride} B, "
                     f"block {tensor.block_stride} B)"
                 )
+            split = 1 if isinstance(layer_specs[layer], MambaSpec) else kernel_blocks
+            if split > 1 and (tensor.block_stride != page or page % split):
+                raise RuntimeError(
+                    f"hybrid_alloc: NIXL on per-group pools: layer {layer}'s blocks are "
+                    f"split in {split} kernel blocks, but its page of {page} B is not "
+                    f"{split} consecutive kernel pages (block stride {tensor.block_stride} B)"
+                )
             regions.append(
                 Region(
                     layer=layer,
                     group=transfer_index[layer],
                     base=storage_base + tensor.offset + index * tensor.layer_stride,
-                    page_bytes=page,
-                    block_stride=tensor.block_stride,
-                    num_blocks=num_blocks,
+                    page_bytes=page // split,
+                    block_stride=tensor.block_stride // split,
+                    num_blocks=num_blocks * split,
                 )
             )
     regions.sort(key=lambda r: order(r.layer))
@@ -284,11 +298,15 @@ def _register_per_group(
             "hybrid_alloc: NIXL on per-group pools does not stage through host buffers "
             "(kv_buffer_device='cpu' on a GPU)"
         )
-    if self._physical_blocks_per_logical_kv_block != 1:
+    import torch
+
+    odd = [name for name, t in kv_caches.items() if not isinstance(t, torch.Tensor)]
+    if odd or not kv_caches:
         raise RuntimeError(
-            "hybrid_alloc: NIXL on per-group pools needs kernel blocks as large as the "
-            f"pools' blocks ({self._physical_blocks_per_logical_kv_block} kernel blocks a "
-            "block here)"
+            "hybrid_alloc: NIXL on per-group pools expects one tensor view per layer "
+            f"(not {type(kv_caches[odd[0]]).__name__} for {odd[0]})"
+            if odd
+            else "hybrid_alloc: NIXL on per-group pools: no KV-cache tensors to register"
         )
     storages = {id(t): t for t in kv_caches.values()}
     first = next(iter(storages.values()))
@@ -298,7 +316,10 @@ def _register_per_group(
         raise RuntimeError(
             "hybrid_alloc: NIXL on per-group pools expects every layer in one KV-cache allocation"
         )
-    regions = layer_regions(config, storage_base, self._layer_specs, base_worker._region_sort_key)
+    kernel_blocks = self._physical_blocks_per_logical_kv_block
+    regions = layer_regions(
+        config, storage_base, self._layer_specs, base_worker._region_sort_key, kernel_blocks
+    )
     check_region_views(regions, kv_caches, storage_base)
     if first.device.type == "cpu":
         mem_type, device = "DRAM", 0
@@ -384,7 +405,7 @@ def _register_per_group(
         ssm_sizes=self._mamba_ssm_size,
         ple_block_len=None,
         attn_backend_name=self.backend_name,
-        physical_blocks_per_logical_kv_block=1,
+        physical_blocks_per_logical_kv_block=kernel_blocks,
         region_num_blocks=list(self.region_num_blocks),
         region_group_ids=list(self.region_group_ids),
         region_names=list(self.region_names),
@@ -505,8 +526,10 @@ def check_peer_layout(worker: Any, meta: Any, remote_tp_size: int) -> None:
         )
     if meta.block_size != worker.block_size:
         problems.append(f"block size {meta.block_size} there, {worker.block_size} here")
-    if meta.physical_blocks_per_logical_kv_block != 1:
-        problems.append("kernel blocks smaller than its blocks there")
+    theirs_split = meta.physical_blocks_per_logical_kv_block
+    ours_split = worker._physical_blocks_per_logical_kv_block
+    if theirs_split != ours_split:
+        problems.append(f"{theirs_split} kernel blocks a block there, {ours_split} here")
     theirs = (meta.region_names, meta.region_group_ids, list(meta.block_lens))
     ours = (worker.region_names, worker.region_group_ids, worker.block_len_per_layer)
     if not problems and theirs != ours:
