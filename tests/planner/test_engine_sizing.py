@@ -188,19 +188,24 @@ def test_unsupported_engines_fall_back() -> None:
     assert "'NixlPushConnector'" in (sizing.config_unsupported_reason(cfg) or "")
     cfg.kv_transfer_config = kv_connector("NixlConnector")
     cfg.kv_transfer_config.kv_buffer_device = "cpu"
+    elastic = patch.dict("os.environ", {"HYBRID_ALLOC_ELASTIC_POOLS": "1"})
     if not versions.release().nixl_per_group:  # vLLM 0.33: its NIXL worker is not adapted
         assert "NixlConnector on vLLM 0.33" in (sizing.config_unsupported_reason(cfg) or "")
     else:
-        assert sizing.config_unsupported_reason(cfg) is None
+        with elastic:
+            assert sizing.config_unsupported_reason(cfg) is None
         nixl = kv_connector("NixlConnector")
-        assert sizing.kv_connector_unsupported_reason(nixl, cfg) is None
-        cfg.parallel_config.pipeline_parallel_size = 2
-        reason = sizing.kv_connector_unsupported_reason(nixl, cfg)
-        assert "pipeline parallelism" in (reason or "")
-        cfg.parallel_config.pipeline_parallel_size = 1
-        nixl.kv_buffer_device = "cpu"
-        with patch("vllm.platforms.current_platform.is_cpu", return_value=False):
-            assert "host buffers" in (sizing.kv_connector_unsupported_reason(nixl) or "")
+        with elastic:
+            assert sizing.kv_connector_unsupported_reason(nixl, cfg) is None
+            cfg.parallel_config.pipeline_parallel_size = 2
+            reason = sizing.kv_connector_unsupported_reason(nixl, cfg)
+            assert "pipeline parallelism" in (reason or "")
+            cfg.parallel_config.pipeline_parallel_size = 1
+            nixl.kv_buffer_device = "cpu"
+            with patch("vllm.platforms.current_platform.is_cpu", return_value=False):
+                assert "host buffers" in (sizing.kv_connector_unsupported_reason(nixl) or "")
+        with patch.dict("os.environ", {"HYBRID_ALLOC_ELASTIC_POOLS": "0"}):
+            assert "static split" in (sizing.kv_connector_unsupported_reason(nixl) or "")
     # VLLM_USE_SIMPLE_KV_OFFLOAD=1: --kv-offloading-size picks this one; refused by name.
     cfg.kv_transfer_config = kv_connector("SimpleCPUOffloadConnector", cpu_bytes_to_use=1 << 30)
     assert "'SimpleCPUOffloadConnector'" in (sizing.config_unsupported_reason(cfg) or "")

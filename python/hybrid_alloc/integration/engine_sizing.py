@@ -165,6 +165,14 @@ def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str |
         return (
             f"NixlConnector on vLLM {release.version} (per-group NIXL regions are built for 0.32)"
         )
+    from hybrid_alloc.settings import ELASTIC_ENV_VAR, elastic_pools_enabled
+
+    if not elastic_pools_enabled():
+        # A finished prefill keeps its state page until the decode side has read it; a
+        # state pool sized to max_num_seqs then stops admitting prefills that vLLM's
+        # shared pool would run (measured: the prefill side stalled until its blocks'
+        # leases ran out).
+        return f"NixlConnector on the static split ({ELASTIC_ENV_VAR}=0)"
     if vllm_config is not None and vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "NixlConnector with pipeline parallelism"
     device = getattr(kv_transfer_config, "kv_buffer_device", None) or "cuda"
