@@ -284,6 +284,7 @@ def _register_per_group(
     """``register_kv_caches`` for a per-group layout: the worker state vLLM's transfer
     code reads afterwards, with one region per layer (see the module docstring)."""
     import msgspec
+    import torch
 
     base_worker = _module()
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
@@ -298,8 +299,6 @@ def _register_per_group(
             "hybrid_alloc: NIXL on per-group pools does not stage through host buffers "
             "(kv_buffer_device='cpu' on a GPU)"
         )
-    import torch
-
     odd = [name for name, t in kv_caches.items() if not isinstance(t, torch.Tensor)]
     if odd or not kv_caches:
         raise RuntimeError(
@@ -308,11 +307,10 @@ def _register_per_group(
             if odd
             else "hybrid_alloc: NIXL on per-group pools: no KV-cache tensors to register"
         )
-    storages = {id(t): t for t in kv_caches.values()}
-    first = next(iter(storages.values()))
+    first = next(iter(kv_caches.values()))
     storage = first.untyped_storage()
     storage_base = storage.data_ptr()
-    if any(t.untyped_storage().data_ptr() != storage_base for t in storages.values()):
+    if any(t.untyped_storage().data_ptr() != storage_base for t in kv_caches.values()):
         raise RuntimeError(
             "hybrid_alloc: NIXL on per-group pools expects every layer in one KV-cache allocation"
         )
