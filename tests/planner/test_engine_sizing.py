@@ -201,6 +201,10 @@ def test_unsupported_engines_fall_back() -> None:
             reason = sizing.kv_connector_unsupported_reason(nixl, cfg)
             assert "pipeline parallelism" in (reason or "")
             cfg.parallel_config.pipeline_parallel_size = 1
+            cfg.parallel_config.tensor_parallel_size = 2
+            reason = sizing.kv_connector_unsupported_reason(nixl, cfg)
+            assert "tensor parallelism" in (reason or "")
+            cfg.parallel_config.tensor_parallel_size = 1
             nixl.kv_buffer_device = "cpu"
             with patch("vllm.platforms.current_platform.is_cpu", return_value=False):
                 assert "host buffers" in (sizing.kv_connector_unsupported_reason(nixl) or "")

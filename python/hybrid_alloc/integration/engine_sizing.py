@@ -152,8 +152,9 @@ def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = 
 
 
 def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str | None:
-    """What of NixlConnector per-group pools do not serve: pipeline stages (vLLM matches
-    their regions by layer position in the shared layout) and host staging buffers
+    """What of NixlConnector per-group pools do not serve: the static split, pipeline stages
+    (vLLM matches their regions by layer position in the shared layout), tensor
+    parallelism (not run) and host staging buffers
     (``kv_buffer_device="cpu"`` on a GPU: vLLM's staging copies view the shared layout).
     (A KV-cache layout that spreads a block's bytes, heads outside blocks, is refused when
     the worker registers its cache, :func:`.nixl.check_region_views`: the layout is not
@@ -173,8 +174,15 @@ def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str |
         # shared pool would run (measured: the prefill side stalled until its blocks'
         # leases ran out).
         return f"NixlConnector on the static split ({ELASTIC_ENV_VAR}=0)"
-    if vllm_config is not None and vllm_config.parallel_config.pipeline_parallel_size > 1:
-        return "NixlConnector with pipeline parallelism"
+    if vllm_config is not None:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            return "NixlConnector with pipeline parallelism"
+        if parallel.tensor_parallel_size > 1:
+            # Each rank registers its own shard as one region per layer; no P/D pair of
+            # tensor-parallel engines was run here (four workers do not start on 2 cores
+            # within the transfers' lease), so these keep vLLM's layout.
+            return "NixlConnector with tensor parallelism (not run with per-group pools)"
     device = getattr(kv_transfer_config, "kv_buffer_device", None) or "cuda"
     if device == "cpu" and not current_platform.is_cpu():
         return "NixlConnector staging through host buffers (kv_buffer_device='cpu' on a GPU)"
