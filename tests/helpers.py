@@ -612,13 +612,26 @@ def run_engines(
     return results
 
 
+_NIXL_PORTS = iter(range(21000, 22000))
+"""Side-channel ports for P/D engines: below the kernel's ephemeral range (32768-60999
+here), where UCX, gloo and outgoing connections take theirs, and a new one for every
+engine of the session. A port the OS handed out at random could be taken by another
+process before the engine bound it: the decode side's handshake then went to a socket
+that never answered (a stock pair's run in CI timed out that way)."""
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (for an engine's NIXL side channel)."""
+    """A TCP port for an engine's NIXL side channel that nothing listens on now."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    for port in _NIXL_PORTS:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free side-channel port in 21000-21999")
 
 
 def run_pd(
