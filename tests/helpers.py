@@ -560,6 +560,28 @@ POOL_SET = "hybrid_alloc.integration.pool_set.PoolSet"
 RUST_POOL = "hybrid_alloc.integration.block_pool.BlockPool"
 
 
+TWO_PREFIX_WAVES = [
+    "--kv-cache-mib",
+    "64",
+    "--max-num-seqs",
+    "4",
+    "--waves",
+    "2",
+    "--num-prefixes",
+    "2",
+    "--prompts-per-prefix",
+    "3",
+    "--prefix-len",
+    "300",
+    "--suffix-len",
+    "32",
+    "--max-tokens",
+    "16",
+]
+"""An ``engine_run`` workload for connector tests: 64 MiB of KV, 12 requests through 4
+slots in two waves of 331-token prompts sharing two 300-token prefixes, 16 tokens out."""
+
+
 def run_engines(
     model: Path,
     workdir: Path,

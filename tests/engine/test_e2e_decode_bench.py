@@ -15,27 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import check_pair, run_pair
+from tests.helpers import TWO_PREFIX_WAVES, check_pair, run_pair
 
 DECODE_BENCH = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
 WORKLOAD = [
     "--prefix-caching",
-    "--kv-cache-mib",
-    "64",
-    "--max-num-seqs",
-    "4",
-    "--waves",
-    "2",
-    "--num-prefixes",
-    "2",
-    "--prompts-per-prefix",
-    "3",
-    "--prefix-len",
-    "300",
-    "--suffix-len",
-    "32",
-    "--max-tokens",
-    "16",
+    *TWO_PREFIX_WAVES,
     "--engine-arg",
     f"kv_transfer_config={json.dumps(DECODE_BENCH)}",
 ]

@@ -21,26 +21,15 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_every_block_back, run_engines, run_pd, slow_e2e
+from tests.helpers import (
+    TWO_PREFIX_WAVES,
+    assert_every_block_back,
+    run_engines,
+    run_pd,
+    slow_e2e,
+)
 
-WORKLOAD = [
-    "--kv-cache-mib",
-    "64",
-    "--max-num-seqs",
-    "4",
-    "--waves",
-    "2",
-    "--num-prefixes",
-    "2",
-    "--prompts-per-prefix",
-    "3",
-    "--prefix-len",
-    "300",
-    "--suffix-len",
-    "32",
-    "--max-tokens",
-    "16",
-]
+WORKLOAD = TWO_PREFIX_WAVES
 MODES = {"align": ["--prefix-caching"], "none": ["--no-prefix-caching"]}
 FALLBACK = "per-group KV-cache pools not used"
 REGISTERED = "hybrid_alloc: NIXL registered"
