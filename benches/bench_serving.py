@@ -15,6 +15,11 @@ default: :mod:`hybrid_alloc.step_time`) or 25 ms (``--time-model fixed``). Write
     python benches/bench_serving.py [--out-dir benches] [--configs a,b] [--memories 16,40,80]
         [--modes none,align] [--traces chat,long,long-burst,prefix,reasoning,agentic]
         [--layouts stock,per-group,elastic] [--json FILE] [--scale X] [--time-model h100]
+        [--shard I/N --save-cells FILE] [--merge FILE,FILE,...]
+
+``--shard I/N`` runs every N-th (config, memory) group of cells from the I-th on
+and ``--save-cells`` keeps them (a pickle); ``--merge`` writes the report from the saved
+cells of several shards, run side by side, one per core.
 
 Where the Mamba state of 256 requests takes more than half of the KV memory in the static
 split's pools (static sizing then over-subscribes its fixed pools, or refuses), the cell is
@@ -30,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import platform
 import statistics
 import subprocess
@@ -194,13 +200,20 @@ def run_cells(
     traces: dict[str, Trace],
     layouts: Sequence[str] = LAYOUTS,
     log: Any = sys.stdout,
+    shard: tuple[int, int] = (0, 1),
 ) -> list[Cell]:
+    """Every cell, or (``shard`` = (i, n)) those of every n-th (config, memory) group
+    from the i-th on."""
     from hybrid_alloc.integration.simulator import simulate
 
     cells: list[Cell] = []
+    group = -1
     for config in configs:
         max_len = min(32768, load_model(config).max_position_embeddings)
         for memory in memories:
+            group += 1
+            if group % shard[1] != shard[0]:
+                continue
             for mode in modes:
                 for kind, trace in traces.items():
                     t0 = time.perf_counter()
@@ -446,8 +459,11 @@ def write_report(
     elapsed: float,
     png: str,
     layouts: Sequence[str] = LAYOUTS,
+    num_shards: int = 1,
 ) -> None:
     from hybrid_alloc.integration import versions
+
+    shards = f" ({num_shards} shards side by side, the longest)" if num_shards > 1 else ""
 
     compared = [n for n in layouts if n != BASE]
     names = " / ".join(SHORT[n] for n in layouts)
@@ -494,7 +510,7 @@ def write_report(
         "  Requests longer than a model's context keep their output and have their prompt "
         "cut to fit (Zamba2: 4,096 tokens, Nemotron-H-8B: 8,192), counted in each table's "
         "notes.",
-        f"- Total run time of the benchmark: {elapsed / 60:.1f} min "
+        f"- Total run time of the benchmark: {elapsed / 60:.1f} min{shards} "
         f"({len(cells)} cells, each on {len(layouts)} layouts: {', '.join(layouts)}).",
         "",
         f"Columns give {names}. *finished / s* is requests finished per simulated second "
@@ -1175,6 +1191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="h100",
         help="h100: each step costs what it computes; fixed: 25 ms a step (default h100)",
     )
+    parser.add_argument(
+        "--shard", default="0/1", help="I/N: run every N-th group of cells from the I-th on"
+    )
+    parser.add_argument(
+        "--save-cells", type=Path, default=None, help="keep this run's cells (a pickle)"
+    )
+    parser.add_argument(
+        "--merge",
+        default="",
+        help="FILE,FILE,...: no run; write the report from the cells these shards saved",
+    )
     args = parser.parse_args(argv)
     global TIME_MODEL
     TIME_MODEL = args.time_model
@@ -1202,13 +1229,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for kind in kinds
     }
-    t0 = time.perf_counter()
-    cells = run_cells(configs, memories, modes, traces, layouts)
-    elapsed = time.perf_counter() - t0
+    try:
+        index, count = (int(x) for x in args.shard.split("/"))
+    except ValueError:
+        parser.error(f"--shard {args.shard!r}: expected I/N, e.g. 0/2")
+    if not 0 <= index < count:
+        parser.error(f"--shard {args.shard!r}: I must be in 0..N-1")
+    merged = [Path(f) for f in args.merge.split(",") if f]
+    if merged:
+        cells, elapsed = _merge(merged)
+        order = {
+            (c, m, mode): i
+            for i, (c, m, mode) in enumerate(
+                (c, m, mode) for c in configs for m in memories for mode in modes
+            )
+        }
+        cells.sort(
+            key=lambda c: (
+                order.get((c.config, c.memory_gib, c.mode), len(order)),
+                list(kinds).index(c.trace) if c.trace in kinds else 0,
+                -c.max_num_seqs,
+            )
+        )
+    else:
+        t0 = time.perf_counter()
+        cells = run_cells(configs, memories, modes, traces, layouts, shard=(index, count))
+        elapsed = time.perf_counter() - t0
+        if args.save_cells:
+            args.save_cells.write_bytes(pickle.dumps((cells, elapsed)))
+        if count > 1:
+            print(f"shard {index}/{count}: {len(cells)} cells in {elapsed / 60:.1f} min")
+            return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     png = args.out_dir / "serving.png"
     plot(cells, kinds, png, layouts)
-    write_report(cells, traces, args.out_dir / "SERVING.md", elapsed, png.name, layouts)
+    write_report(
+        cells, traces, args.out_dir / "SERVING.md", elapsed, png.name, layouts, max(1, len(merged))
+    )
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -1230,6 +1287,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(f"wrote {args.out_dir / 'SERVING.md'} and {png} in {elapsed / 60:.1f} min")
     return 0
+
+
+def _merge(paths: Sequence[Path]) -> tuple[list[Cell], float]:
+    """The cells several ``--shard`` runs saved, in one list, and the longest run's time
+    (the shards ran side by side)."""
+    cells: list[Cell] = []
+    elapsed = 0.0
+    for path in paths:
+        # Our own files, written by --save-cells of this script.
+        shard_cells, shard_elapsed = pickle.loads(path.read_bytes())
+        cells.extend(shard_cells)
+        elapsed = max(elapsed, shard_elapsed)
+    return cells, elapsed
 
 
 if __name__ == "__main__":
