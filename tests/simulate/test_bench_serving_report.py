@@ -66,3 +66,39 @@ def test_heavy_recompute_is_listed_with_its_verdict() -> None:
     assert "heavy" in listed[1] and "worse" in listed[1]
     none = bench._recompute_check(cells[:1], "elastic")
     assert none[0].endswith(": 0.")
+
+
+def test_shards_split_the_cells_and_merge_back(tmp_path: Any, monkeypatch: Any) -> None:
+    """``--shard I/N`` runs every N-th (config, memory) group; the shards' saved cells,
+    merged, are every cell once, and the report is written from them."""
+    import hybrid_alloc.integration.simulator as simulator
+
+    bench = load_bench("bench_serving")
+    monkeypatch.setattr(bench, "_tuned_seqs", lambda *args: None)
+    monkeypatch.setattr(bench, "_settings", lambda *args: args)
+    monkeypatch.setattr(bench, "_log", lambda cell, log: None)
+    monkeypatch.setattr(
+        simulator,
+        "simulate",
+        lambda config, settings, trace, layouts: SimpleNamespace(
+            layouts={n: _layout(1.0, 10.0, 0.0, 0) for n in layouts}
+        ),
+    )
+    configs, memories = ["qwen3.5-0.8b", "zamba2-2.7b", "lfm2-1.2b"], [16, 40]
+    traces: dict[str, Any] = {"chat": None, "long": None}
+    every = {
+        (c.config, c.memory_gib, c.mode, c.trace)
+        for c in bench.run_cells(configs, memories, ["none", "align"], traces)
+    }
+    assert len(every) == 3 * 2 * 2 * 2
+    shards = []
+    for index in range(4):
+        cells = bench.run_cells(configs, memories, ["none", "align"], traces, shard=(index, 4))
+        groups = {(c.config, c.memory_gib) for c in cells}
+        assert len(cells) == 4 * len(groups)  # a group's cells stay in one shard
+        path = tmp_path / f"shard{index}.pkl"
+        path.write_bytes(bench.pickle.dumps((cells, 10.0 + index)))
+        shards.append(path)
+    merged, elapsed = bench._merge(shards)
+    assert sorted((c.config, c.memory_gib, c.mode, c.trace) for c in merged) == sorted(every)
+    assert elapsed == 13.0  # the shards ran side by side: the longest
