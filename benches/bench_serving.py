@@ -473,7 +473,9 @@ def write_report(
     png: str,
     layouts: Sequence[str] = LAYOUTS,
     num_shards: int = 1,
+    commit: str | None = None,
 ) -> None:
+    """``commit``: the one the cells ran at (merged shards), else this checkout's."""
     from hybrid_alloc.integration import versions
 
     shards = f" ({num_shards} shards side by side, the longest)" if num_shards > 1 else ""
@@ -498,7 +500,7 @@ def write_report(
         f"- vLLM {versions.installed_version()} (scheduler side; CUDA block-size rules: "
         "FlashAttention kernel blocks of 16), Python "
         f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPU cores "
-        f"(shared with other jobs), commit {_git_commit()}.",
+        f"(shared with other jobs), commit {commit or _git_commit()}.",
         f"- Engine: `max_num_seqs` {MAX_NUM_SEQS}, `max_num_batched_tokens` "
         f"{MAX_NUM_BATCHED_TOKENS:,}, block size 16, chunked prefill, `max_model_len` "
         "min(32,768, the model's context); 'none' = no prefix caching, 'align' = prefix "
@@ -1259,8 +1261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= index < count:
         parser.error(f"--shard {args.shard!r}: I must be in 0..N-1")
     merged = [Path(f) for f in args.merge.split(",") if f]
+    commit = None
     if merged:
-        cells, elapsed = _merge(merged)
+        cells, elapsed, commit = _merge(merged)
         order = {
             (c, m, mode): i
             for i, (c, m, mode) in enumerate(
@@ -1279,7 +1282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = run_cells(configs, memories, modes, traces, layouts, shard=(index, count))
         elapsed = time.perf_counter() - t0
         if args.save_cells:
-            args.save_cells.write_bytes(pickle.dumps((cells, elapsed)))
+            args.save_cells.write_bytes(pickle.dumps((cells, elapsed, _git_commit())))
         if count > 1:
             print(f"shard {index}/{count}: {len(cells)} cells in {elapsed / 60:.1f} min")
             return 0
@@ -1287,7 +1290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = args.out_dir / "serving.png"
     plot(cells, kinds, png, layouts)
     write_report(
-        cells, traces, args.out_dir / "SERVING.md", elapsed, png.name, layouts, max(1, len(merged))
+        cells,
+        traces,
+        args.out_dir / "SERVING.md",
+        elapsed,
+        png.name,
+        layouts,
+        max(1, len(merged)),
+        commit,
     )
     if args.json:
         args.json.write_text(
@@ -1312,17 +1322,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _merge(paths: Sequence[Path]) -> tuple[list[Cell], float]:
-    """The cells several ``--shard`` runs saved, in one list, and the longest run's time
-    (the shards ran side by side)."""
+def _merge(paths: Sequence[Path]) -> tuple[list[Cell], float, str]:
+    """The cells several ``--shard`` runs saved, in one list, the longest run's time (the
+    shards ran side by side) and the commit(s) they ran at."""
     cells: list[Cell] = []
     elapsed = 0.0
+    commits: list[str] = []
     for path in paths:
         # Our own files, written by --save-cells of this script.
-        shard_cells, shard_elapsed = pickle.loads(path.read_bytes())
+        shard_cells, shard_elapsed, commit = pickle.loads(path.read_bytes())
         cells.extend(shard_cells)
         elapsed = max(elapsed, shard_elapsed)
-    return cells, elapsed
+        if commit not in commits:
+            commits.append(commit)
+    return cells, elapsed, " and ".join(commits)
 
 
 if __name__ == "__main__":

@@ -97,8 +97,9 @@ def test_shards_split_the_cells_and_merge_back(tmp_path: Any, monkeypatch: Any) 
         groups = {(c.config, c.memory_gib) for c in cells}
         assert len(cells) == 4 * len(groups)  # a group's cells stay in one shard
         path = tmp_path / f"shard{index}.pkl"
-        path.write_bytes(bench.pickle.dumps((cells, 10.0 + index)))
+        path.write_bytes(bench.pickle.dumps((cells, 10.0 + index, "abc1234")))
         shards.append(path)
-    merged, elapsed = bench._merge(shards)
+    merged, elapsed, commit = bench._merge(shards)
     assert sorted((c.config, c.memory_gib, c.mode, c.trace) for c in merged) == sorted(every)
     assert elapsed == 13.0  # the shards ran side by side: the longest
+    assert commit == "abc1234"
