@@ -19,6 +19,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -664,20 +665,57 @@ def run_pd(
     decode: tuple[str, bool] = ("rust", True),
     own: dict[str, list[str]] | None = None,
     allow_errors: bool = False,
+    retries: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """Prefill/decode disaggregation over vLLM's NixlConnector: a prefill engine and a
     decode engine, each (backend, per-group pools on) in its own process and on its own
     core, exchange each wave's ``kv_transfer_params`` (``engine_run --pd-role``). Returns
-    {"prefill": ..., "decode": ...} as :func:`run_engines` does; ``own`` adds arguments for
-    one side."""
+    {"prefill": ..., "decode": ...} as :func:`run_engines` does, each with ``pd_attempts``;
+    ``own`` adds arguments for one side. A pair whose NIXL transport failed on time (see
+    :func:`nixl_timing_failure`) is run again, fresh ports and directory, at most
+    ``retries`` times; the reason goes to stderr."""
     own = own or {}
-    exchange = workdir / "exchange"
-    exchange.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for role, (backend, per_group) in (("prefill", prefill), ("decode", decode)):
-        pd = ["--pd-role", role, "--pd-dir", str(exchange), "--nixl-port", str(free_port())]
-        runs[role] = (backend, per_group, [*extra, *pd, *own.get(role, [])])
-    return run_engines(model, workdir, runs, allow_errors=allow_errors)
+    for attempt in range(retries + 1):
+        where = workdir if attempt == 0 else workdir.with_name(f"{workdir.name}-again{attempt}")
+        exchange = where / "exchange"
+        exchange.mkdir(parents=True, exist_ok=True)
+        runs = {}
+        for role, (backend, per_group) in (("prefill", prefill), ("decode", decode)):
+            pd = ["--pd-role", role, "--pd-dir", str(exchange), "--nixl-port", str(free_port())]
+            runs[role] = (backend, per_group, [*extra, *pd, *own.get(role, [])])
+        pair = run_engines(model, where, runs, allow_errors=True)
+        reason = nixl_timing_failure(pair)
+        if reason is None or attempt == retries:
+            break
+        print(f"run_pd: {where}: {reason}; running the pair again", file=sys.stderr)
+    for role, run in pair.items():
+        run["pd_attempts"] = attempt + 1
+        assert allow_errors or not run["error_lines"], f"{role}: vLLM logged errors:\n" + "\n".join(
+            run["error_lines"]
+        )
+    return pair
+
+
+def nixl_timing_failure(pair: dict[str, dict[str, Any]]) -> str | None:
+    """Why a P/D pair's NIXL transport failed on time, if it did; None otherwise.
+
+    Two failures of vLLM's NIXL on this 2-core machine (UCX on loopback, both engines
+    and their workers on two cores), seen with vLLM's own pool on both sides as with
+    ours, neither a decision of either pool:
+
+    - the decode side's handshake got no answer in vLLM's 5 s (zmq ``Again``) from the
+      prefill engine's side-channel listener, and every request of that peer failed;
+    - a read finished after the prefill side's 30 s lease on its blocks ran out (the
+      decode engine stalled about 30 s after its handshake; the prefill side then logs
+      that blocks of a request it no longer knows were read).
+
+    A compatibility-hash refusal is an answer, not a timing failure."""
+    decode, prefill = pair["decode"]["log_text"], pair["prefill"]["log_text"]
+    if "handshake_setup_failed" in decode and "zmq.error.Again" in decode:
+        return "the NIXL handshake got no answer in time"
+    if "were retrieved by a decode worker. They may have expired" in prefill:
+        return "a NIXL read finished after the prefill side's lease ran out"
+    return None
 
 
 def run_pair(

@@ -202,3 +202,29 @@ def test_peer_with_another_layout_is_refused() -> None:
     peer.block_size, peer.physical_blocks_per_logical_kv_block = 16, 2
     with pytest.raises(RuntimeError, match="2 kernel blocks a block there, 1 here"):
         nixl.check_peer_layout(worker, peer, 1)
+
+
+def test_pd_timing_failures_are_told_from_refusals() -> None:
+    """The P/D harness runs a pair again only for NIXL timing failures (a handshake with
+    no answer, a read after the lease), never for a refused handshake or a clean run."""
+    from tests.helpers import nixl_timing_failure
+
+    def pair(prefill: str, decode: str) -> dict[str, dict[str, str]]:
+        return {"prefill": {"log_text": prefill}, "decode": {"log_text": decode}}
+
+    timed_out = (
+        "ERROR NIXL transfer failure: handshake_setup_failed | Context: ...\n"
+        "zmq.error.Again: Resource temporarily unavailable\n"
+    )
+    refused = (
+        "ERROR NIXL transfer failure: handshake_setup_failed | Context: ...\n"
+        "RuntimeError: NIXL compatibility hash mismatch. Local: a, Remote: b\n"
+    )
+    late = (
+        "ERROR [pull_worker.py:667] Potentially invalid KV blocks for unrecognized request "
+        "0-92449c23 were retrieved by a decode worker. They may have expired.\n"
+    )
+    assert nixl_timing_failure(pair("", timed_out)) == "the NIXL handshake got no answer in time"
+    assert "lease" in (nixl_timing_failure(pair(late, "")) or "")
+    assert nixl_timing_failure(pair("", refused)) is None
+    assert nixl_timing_failure(pair("INFO all fine", "INFO all fine")) is None
