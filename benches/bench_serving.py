@@ -1260,6 +1260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--shard {args.shard!r}: expected I/N, e.g. 0/2")
     if not 0 <= index < count:
         parser.error(f"--shard {args.shard!r}: I must be in 0..N-1")
+    if count > 1 and not args.save_cells:
+        parser.error("--shard I/N with N > 1 needs --save-cells (a shard writes no report)")
     merged = [Path(f) for f in args.merge.split(",") if f]
     commit = None
     if merged:
