@@ -1266,16 +1266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     commit = None
     if merged:
         cells, elapsed, commit = _merge(merged)
-        order = {
-            (c, m, mode): i
-            for i, (c, m, mode) in enumerate(
-                (c, m, mode) for c in configs for m in memories for mode in modes
-            )
-        }
+        # Back in the order one run makes them (the shards ran with these same arguments).
         cells.sort(
             key=lambda c: (
-                order.get((c.config, c.memory_gib, c.mode), len(order)),
-                list(kinds).index(c.trace) if c.trace in kinds else 0,
+                configs.index(c.config),
+                memories.index(c.memory_gib),
+                modes.index(c.mode),
+                kinds.index(c.trace),
                 -c.max_num_seqs,
             )
         )
