@@ -194,6 +194,15 @@ MUTANTS = (
         # ElasticMachine's invariant: check_invariants ("the budget counts N live pages").
         ("tests/pool_set/test_elastic_pools.py",),
     ),
+    Mutant(
+        "quiet-step-ignores-window",
+        "a decode step is quiet though a block left its window and vLLM would free it",
+        "rust/src/running.rs",
+        "                        last <= entry.removed[g]\n",
+        "                        last <= entry.removed[g] || offset > 0\n",
+        # Quiet steps against vLLM's whole allocate_slots, with a sliding window.
+        ("tests/manager/test_quiet_steps.py",),
+    ),
 )
 
 

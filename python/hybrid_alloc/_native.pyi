@@ -1,5 +1,5 @@
 """Type stubs for the compiled module ``hybrid_alloc._native`` (the PyO3 binding in
-rust/src/binding/: block.rs, budget.rs, elastic.rs, pool.rs, views.rs)."""
+rust/src/binding/: block.rs, elastic.rs, pool.rs, running.rs, views.rs)."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, final, overload
@@ -151,7 +151,6 @@ class NativeBlockPool:
     def _free_queue_view(self) -> FreeQueueView: ...
 
 @final
-@final
 class NativeElasticPools:
     """One byte budget under several groups' ``NativeBlockPool``s (``rust/src/elastic.rs``):
     each attached pool spans every page of the budget at its group's page size, the
@@ -202,3 +201,39 @@ class NativeElasticPools:
     def num_live_pages(self, group: int) -> int: ...
     def owner_changes(self, group: int) -> tuple[int, int]: ...
     def check_invariants(self) -> None: ...
+
+@final
+class NativeRunningRequests:
+    """A coordinator's running requests: blocks held per group, window blocks freed,
+    decode room lacked (see ``hybrid_alloc.integration.quiet_step``)."""
+
+    def __init__(
+        self,
+        rules: list[tuple[int, int, int | None, int | None]],
+        quiet_steps: bool,
+        room_tokens: int,
+        label: str = "running requests",
+    ) -> None: ...
+    @property
+    def quiet_steps(self) -> bool: ...
+    @property
+    def num_requests(self) -> int: ...
+    def __contains__(self, request_id: str) -> bool: ...
+    def sync(
+        self, request_id: str, held: Sequence[int | None], partial_hit: bool, room_length: int
+    ) -> None: ...
+    def note_removed(self, request_id: str, processed: int, held: Sequence[int | None]) -> None: ...
+    def quiet_step(self, request_id: str, slots: int, processed: int, room_length: int) -> bool: ...
+    def quiet_decode_step(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_in_flight_tokens: int,
+        num_prompt_tokens: int,
+        num_tokens: int,
+        max_model_len: int,
+    ) -> bool: ...
+    def forget(self, request_id: str) -> None: ...
+    def room_asks(self, except_request: str) -> list[tuple[int, int]]: ...

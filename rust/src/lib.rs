@@ -22,6 +22,7 @@ pub mod notices;
 pub mod prefix_cache;
 pub mod reuse;
 pub mod routing;
+pub mod running;
 
 #[cfg(feature = "python")]
 mod binding;
@@ -36,3 +37,4 @@ pub use notices::{Notice, Steps};
 pub use prefix_cache::PrefixCache;
 pub use reuse::ReuseWatchers;
 pub use routing::{BlockRef, Routed};
+pub use running::{DecodeStep, GroupRule, RunningRequests};

@@ -137,8 +137,7 @@ def test_the_room_follows_each_running_request() -> None:
         # A request's own admission does not count its own room.
         assert mgr.coordinator._decode_room_asks("a") == []
     mgr.free(a)
-    assert mgr.coordinator._room_lacks == {}
-    assert mgr.coordinator._room_totals == [0]
+    assert mgr.coordinator._running.num_requests == 0
     assert mgr.coordinator._decode_room_asks("b") == []
 
 

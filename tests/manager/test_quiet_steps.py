@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from vllm.v1.request import Request, RequestStatus
 
+from hybrid_alloc._native import NativeRunningRequests
 from hybrid_alloc.integration import coordinator as pg_coordinator
-from hybrid_alloc.integration.quiet_step import QuietStepCheck
 from tests.helpers import (
     allocate_slots_installed,
     attn,
@@ -59,13 +59,13 @@ def build(specs: list[Any], elastic: bool, quiet: bool) -> Any:
 class Counted:
     """The coordinator's check, counting its answers."""
 
-    def __init__(self, check: QuietStepCheck) -> None:
+    def __init__(self, check: NativeRunningRequests) -> None:
         self.check = check
         self.quiet = 0
         self.not_quiet = 0
 
-    def is_quiet(self, request_id: str, slots: int, processed: int) -> bool:
-        answer = self.check.is_quiet(request_id, slots, processed)
+    def quiet_decode_step(self, request_id: str, *counts: int) -> bool:
+        answer = self.check.quiet_decode_step(request_id, *counts)
         if answer:
             self.quiet += 1
         else:

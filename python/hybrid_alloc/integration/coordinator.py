@@ -46,7 +46,11 @@ from vllm.v1.request import RequestStatus
 
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolSet
-from hybrid_alloc.integration.quiet_step import QuietStepCheck
+from hybrid_alloc.integration.quiet_step import (
+    blocks_held,
+    has_partial_hit,
+    running_requests_table,
+)
 
 logger = logging.getLogger("hybrid_alloc")
 
@@ -122,9 +126,6 @@ class PerGroupPoolsMixin:
         ]
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
-        self._quiet_check = (
-            QuietStepCheck.for_managers(self.single_type_managers) if QUIET_STEPS else None
-        )
         self._max_model_len = max_model_len
         # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
         # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
@@ -133,18 +134,31 @@ class PerGroupPoolsMixin:
         self._load_reserved_blocks = 0
         # Decode room (`_decode_room_asks`): whether `allocate_slots` is admitting a
         # waiting or preempted request beside scheduled ones, the tokens of room each
-        # running request keeps meanwhile, and per group whose blocks grow with the
-        # sequence (full attention: manager, block size, pool) the pages each request
-        # lacks for its room and their total (`_count_room`).
+        # running request keeps meanwhile, and the groups whose blocks grow with the
+        # sequence (full attention: manager, block size, pool), whose pages it is kept in.
         self._admitting = False
         self._decode_room_tokens = decode_room_tokens if pool_set.elastic is not None else 0
-        self._room_groups = [
-            (m, m.block_size, pool_set.pool_index_of_group(gid))
+        room_pools = {
+            gid: pool_set.pool_index_of_group(gid)
             for gid, m in enumerate(self.single_type_managers)
             if isinstance(m, FullAttentionManager)
+        }
+        self._room_groups = [
+            (self.single_type_managers[gid], self.single_type_managers[gid].block_size, pool)
+            for gid, pool in room_pools.items()
         ]
-        self._room_lacks: dict[str, list[int]] = {}
-        self._room_totals = [0] * len(self._room_groups)
+        # The running requests' blocks per group, in Rust (`quiet_step`): quiet decode
+        # steps (`_quiet_check`, None where no step can be quiet) and the decode room.
+        # Told after every call that changes a request's blocks (`_sync_running`,
+        # `remove_skipped_blocks`, `free`); kept only where one of the two is used.
+        running = running_requests_table(
+            self.single_type_managers, room_pools, self._decode_room_tokens, QUIET_STEPS
+        )
+        self._running = running if running.quiet_steps or self._decode_room_tokens else None
+        self._quiet_check = running if running.quiet_steps else None
+        self._windowed = self._quiet_check is not None and any(
+            not isinstance(m, FullAttentionManager) for m in self.single_type_managers
+        )
         # Reservation queries since the last `allocate_slots`: vLLM's scheduler asks what
         # each in-flight prefill still needs just before it admits an async load; per
         # request, (pool, pages) in the managers' order and the count answered.
@@ -357,55 +371,53 @@ class PerGroupPoolsMixin:
         request's last block on average. Without it 16-token pages admit into the last
         free pages, and the running requests' next decode steps preempt one, which then
         recomputes its whole prompt. The admitted request's own room is not counted."""
-        if not self._decode_room_tokens:
+        if not self._decode_room_tokens or self._running is None:
             return []
-        own = self._room_lacks.get(request_id)
-        asks: list[tuple[int, int]] = []
-        for i, (_, _, pool) in enumerate(self._room_groups):
-            pages = self._room_totals[i] - (own[i] if own else 0)
-            if pages:
-                asks.append((pool, pages))
-        return asks
+        return self._running.room_asks(request_id)
 
-    def _count_room(self, request_id: str, length: int) -> None:
-        """Recount the pages ``request_id`` lacks for its room at ``length`` tokens, from
-        the blocks it holds now. A request's count changes only with its length and its
-        blocks, which change only in its own ``allocate_slots`` (where this runs, after
-        vLLM's) and when it is freed (`_forget_room`); so the totals an admission reads
-        are what walking every running request would give, at one request's cost."""
-        end = length + self._decode_room_tokens
-        lacks = self._room_lacks.get(request_id)
-        if lacks is None:
-            lacks = self._room_lacks[request_id] = [0] * len(self._room_groups)
-        totals = self._room_totals
-        held = False
-        for i, (manager, size, _) in enumerate(self._room_groups):
-            blocks = manager.req_to_blocks.get(request_id)
-            lack = 0
-            if blocks is not None:
-                held = True
-                lack = max(0, -(-end // size) - len(blocks))
-            totals[i] += lack - lacks[i]
-            lacks[i] = lack
-        if not held:
-            # Not running (refused, or not admitted yet): nothing to keep room for.
-            del self._room_lacks[request_id]
+    def _sync_running(self, request_id: str, length: int) -> None:
+        """Tell the running-requests table the blocks ``request_id`` holds now, after
+        vLLM's ``allocate_slots`` for it, and recount its room at ``length`` tokens. A
+        request's blocks change only in its own ``allocate_slots`` (where this runs),
+        in `remove_skipped_blocks` and when it is freed (`free`), so the table answers
+        as walking the managers would, at one request's cost."""
+        running = self._running
+        if running is not None:
+            managers = self.single_type_managers
+            running.sync(
+                request_id,
+                blocks_held(managers, request_id),
+                self._quiet_check is not None and has_partial_hit(managers, request_id),
+                length,
+            )
 
-    def _forget_room(self, request_id: str) -> None:
-        lacks = self._room_lacks.pop(request_id, None)
-        if lacks is not None:
-            for i, lack in enumerate(lacks):
-                self._room_totals[i] -= lack
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, *args: Any, **kwargs: Any
+    ) -> None:
+        """vLLM's; the table learns which window blocks are freed (quiet steps)."""
+        super().remove_skipped_blocks(  # type: ignore[misc]
+            request_id, processed_computed_tokens, *args, **kwargs
+        )
+        if self._windowed and self._running is not None:
+            self._running.note_removed(
+                request_id,
+                max(0, processed_computed_tokens),
+                blocks_held(self.single_type_managers, request_id),
+            )
+
+    def _forget_running(self, request_id: str) -> None:
+        if self._running is not None:
+            self._running.forget(request_id)
 
     def free(self, request_id: str) -> None:
-        """vLLM's; the request's room is forgotten with its blocks."""
-        self._forget_room(request_id)
+        """vLLM's; the request leaves the running-requests table with its blocks."""
+        self._forget_running(request_id)
         super().free(request_id)  # type: ignore[misc]
 
     def pop_blocks_for_free(self, request_id: str) -> Any:
         """vLLM's (a free the scheduler defers while a step may still write the blocks);
-        the request's room is forgotten with its blocks."""
-        self._forget_room(request_id)
+        the request leaves the running-requests table with its blocks."""
+        self._forget_running(request_id)
         return super().pop_blocks_for_free(request_id)  # type: ignore[misc]
 
     def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
@@ -672,6 +684,7 @@ _DELAY_CACHE_BLOCKS_ARG = 5
 _RESERVED_BLOCKS_ARG = 8
 # The arguments vLLM's scheduler passes for a running request's step, after its count.
 _DECODE_STEP_KWARGS = frozenset({"num_lookahead_tokens"})
+_RUNNING = RequestStatus.RUNNING
 
 
 def _allocate_slots_is_ours() -> bool:
@@ -694,26 +707,36 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     if (
         quiet is not None
         and len(args) == 1
-        and kwargs.keys() <= _DECODE_STEP_KWARGS
-        and request.status == RequestStatus.RUNNING
+        and (not kwargs or kwargs.keys() <= _DECODE_STEP_KWARGS)
+        and request.status == _RUNNING
         and args[0] > 0
+        # The scheduler's call for a running request (no hits, loads or encoder tokens);
+        # the table computes vLLM's `num_tokens_need_slot` and the processed prefix
+        # `remove_skipped_blocks` is given from the request's counts, as
+        # `allocate_slots` does, and the length its room is counted from.
+        and quiet.quiet_decode_step(
+            request.request_id,
+            request.num_computed_tokens,
+            args[0],
+            kwargs.get("num_lookahead_tokens", 0),
+            request.num_in_flight_tokens,
+            request.num_prompt_tokens,
+            request.num_tokens,
+            self.max_model_len,
+        )
     ):
-        # The scheduler's call for a running request (no hits, loads or encoder tokens):
-        # vLLM's `num_tokens_need_slot` and the processed prefix `remove_skipped_blocks`
-        # is given, as `allocate_slots` computes them.
-        max_len = self.max_model_len
-        computed = min(request.num_computed_tokens, max_len)
-        slots = min(computed + args[0] + kwargs.get("num_lookahead_tokens", 0), max_len)
-        processed = max(0, computed - request.num_in_flight_tokens)
-        if quiet.is_quiet(request.request_id, slots, processed):
-            if coordinator._decode_room_tokens:
-                coordinator._count_room(request.request_id, _room_length(request, args[0]))
-            if coordinator._reservation_queries:
-                # As after any `allocate_slots` (below): the queries were for this step.
-                coordinator._reservation_queries.clear()
-            return self.empty_kv_cache_blocks
+        if coordinator._reservation_queries:
+            # As after any `allocate_slots` (below): the queries were for this step.
+            coordinator._reservation_queries.clear()
+        return self.empty_kv_cache_blocks
+    num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
     if coordinator.pool_set.elastic is None:
-        return _stock_allocate_slots(self, request, *args, **kwargs)
+        if coordinator._running is None:
+            return _stock_allocate_slots(self, request, *args, **kwargs)
+        try:
+            return _stock_allocate_slots(self, request, *args, **kwargs)
+        finally:
+            coordinator._sync_running(request.request_id, 0)
     args_list = list(args)
     loading = bool(
         kwargs.get(
@@ -732,7 +755,7 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     coordinator._load_reserved_blocks = reserved if loading else 0
     length = 0
     if coordinator._decode_room_tokens:
-        length = _room_length(request, int(args[0] if args else kwargs.get("num_new_tokens", 0)))
+        length = _room_length(request, num_new)
         # Like vLLM's watermark: only for a waiting or preempted request, and only beside
         # requests already scheduled this step.
         coordinator._admitting = bool(
@@ -741,8 +764,7 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     try:
         return _stock_allocate_slots(self, request, *args_list, **kwargs)
     finally:
-        if length:
-            coordinator._count_room(request.request_id, length)
+        coordinator._sync_running(request.request_id, length)
         coordinator._allocating = None
         coordinator._admitting = False
         coordinator._load_reserved_blocks = 0
@@ -753,7 +775,9 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
 def _room_length(request: Any, num_new: int) -> int:
     """The request's length after this step, or its prompt's if longer (a prefill in
     chunks needs all of it; a resumed request replays its output as prompt): what its
-    decode room is counted from (`PerGroupPoolsMixin._decode_room_asks`)."""
+    decode room is counted from (`PerGroupPoolsMixin._decode_room_asks`). The quiet path
+    counts the same in the running-requests table (`DecodeStep::room_length` in
+    rust/src/running.rs); `test_quiet_steps` holds the two to the same totals."""
     return max(
         request.num_prompt_tokens,
         request.num_tokens - 1,

@@ -1,4 +1,4 @@
-"""Which decode steps leave the KV-cache managers exactly as they are.
+"""The coordinator's table of running requests, in Rust: quiet decode steps and decode room.
 
 vLLM's scheduler calls ``KVCacheManager.allocate_slots(request, n, num_lookahead_tokens=k)``
 for every running request on every step. With per-group pools' natural pages (16 tokens
@@ -7,27 +7,33 @@ no group needs a page, no block leaves a window, nothing gets cached. vLLM still
 its coordinator and every single-type manager to find that out (about 20 us a request on
 a 4-group model, measured in ``benches/bench_manager.py``).
 
-:class:`QuietStepCheck` answers "would this call change anything?" from the managers'
-own state, with the same arithmetic vLLM's methods apply, for the manager kinds whose
-rules it knows:
+:func:`running_requests_table` builds the coordinator's
+:class:`~hybrid_alloc._native.NativeRunningRequests`: per KV-cache group, the rules of
+its manager, as vLLM's methods apply them; per request, the blocks each group holds and
+how far its window's blocks are freed (told after every call that can change them). One
+call per request and step (``quiet_step``) answers "would this ``allocate_slots`` change
+anything?", and keeps the request's decode room counted (elastic pools,
+``PerGroupPoolsMixin._decode_room_asks``). Rules modelled:
 
 * full attention (``FullAttentionManager`` itself, not its subclasses): never frees
   while a request runs; needs a page when the slots outgrow its blocks;
-* sliding window (``SlidingWindowManager``): also frees blocks that leave the window,
-  which is a no-op while the last block before the window is already null;
+* sliding window (``SlidingWindowManager``): also frees the blocks that leave the window
+  (vLLM skips ``processed - (window - 1 + extra_retained_tokens)`` tokens);
 * Mamba/GDN outside 'align' mode (one state block, plus the speculative ones): the same
-  two rules with its own skipped-token count.
+  two rules, skipping ``processed - 1`` tokens.
 
-It is built only where no manager caches blocks (prefix caching off, the 'none' mode
-hybrids run in), so ``cache_blocks`` is a no-op on every step. Any other manager kind
-(Mamba 'align', chunked local, cross-attention, sinks, ...) makes the coordinator's check
-``None``: every call takes vLLM's path. A quiet call returns what vLLM returns for it,
-the empty ``KVCacheBlocks``, and nothing else happens in vLLM either; a call that is not
-quiet runs vLLM's whole ``allocate_slots``.
+A step is quiet only where every manager is of these kinds and none caches blocks
+(prefix caching off, the 'none' mode hybrids run in), so ``cache_blocks`` is a no-op on
+every step; any other manager kind (Mamba 'align', chunked local, cross-attention,
+sinks, ...) makes every call take vLLM's path, and the table keeps only the room. A
+quiet call returns what vLLM returns for it, the empty ``KVCacheBlocks``, and nothing
+else happens in vLLM either; a call that is not quiet runs vLLM's whole
+``allocate_slots``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.v1.core.single_type_kv_cache_manager import (
@@ -36,54 +42,74 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SlidingWindowManager,
 )
 
+from hybrid_alloc._native import NativeRunningRequests
 
-class QuietStepCheck:
-    """Per coordinator: the managers' rules for "this step changes nothing"."""
+GroupRule = tuple[int, int, int | None, int | None]
+"""(block size, extra slots, skip offset or None, room pool or None) per group."""
 
-    def __init__(self, managers: list[tuple[Any, int, bool]]) -> None:
-        # Per manager: (manager, slots added to the step's count: Mamba's speculative
-        # blocks outside 'align' mode, whether blocks can leave its window).
-        self._managers = managers
+_SKIP_PROBES = (0, 1, 2, 3, 15, 16, 17, 100, 4097, 1 << 20)
 
-    @classmethod
-    def for_managers(cls, managers: tuple[Any, ...]) -> QuietStepCheck | None:
-        """The check for these managers, or None where some manager's rules are not
-        modelled here (then every call takes vLLM's path)."""
-        rules: list[tuple[Any, int, bool]] = []
-        for manager in managers:
-            if getattr(manager, "enable_caching", True):
-                return None
-            kind = type(manager)
-            if kind is FullAttentionManager:
-                rules.append((manager, 0, False))
-            elif kind is SlidingWindowManager:
-                rules.append((manager, 0, True))
-            elif kind is MambaManager and getattr(manager, "mamba_cache_mode", None) != "align":
-                spec_blocks = int(getattr(manager, "num_speculative_blocks", 0))
-                rules.append((manager, manager.block_size * spec_blocks, True))
-            else:
-                return None
-        return cls(rules) if rules else None
 
-    def is_quiet(self, request_id: str, slots: int, processed_tokens: int) -> bool:
-        """Whether ``allocate_slots`` for a running request, giving it ``slots`` token
-        slots in all (vLLM's ``num_tokens_need_slot``) with ``processed_tokens`` safely
-        computed, would allocate, free and cache nothing in any manager."""
-        for manager, extra_slots, windowed in self._managers:
-            blocks = manager.req_to_blocks.get(request_id)
-            if blocks is None or request_id in manager._partial_hit_reqs:
-                return False
-            size = manager.block_size
-            num_blocks = len(blocks)
-            # `get_num_blocks_to_allocate` / `allocate_new_blocks`: blocks past those held.
-            if -(-(slots + extra_slots) // size) > num_blocks:
-                return False
-            if windowed:
-                # `remove_skipped_blocks`: frees backwards from the last skipped block
-                # and stops at the first null one.
-                skipped = manager.get_num_skipped_tokens(processed_tokens)
-                if skipped > 0:
-                    last = min(skipped // size, num_blocks)
-                    if last and blocks[last - 1] != manager._null_block:
-                        return False
-        return True
+def _skip_offset(manager: Any, offset: int) -> int | None:
+    """``offset`` if the manager skips ``max(0, processed - offset)`` tokens (checked on
+    its own ``get_num_skipped_tokens``, so a vLLM that changed the rule gets no quiet
+    steps rather than wrong ones), else None."""
+    probes = (*_SKIP_PROBES, offset - 1, offset, offset + 1)
+    for processed in probes:
+        if processed >= 0 and max(0, manager.get_num_skipped_tokens(processed)) != max(
+            0, processed - offset
+        ):
+            return None
+    return offset
+
+
+def group_rules(
+    managers: Sequence[Any], room_pools: dict[int, int]
+) -> tuple[list[GroupRule], bool]:
+    """Per manager its rule, and whether every manager's rules are modelled (so steps
+    can be quiet). ``room_pools``: group -> pool for the groups that keep decode room."""
+    rules: list[GroupRule] = []
+    known = True
+    for gid, manager in enumerate(managers):
+        kind = type(manager)
+        if getattr(manager, "enable_caching", True):
+            known = False
+        extra = 0
+        skip: int | None = None
+        if kind is FullAttentionManager:
+            pass
+        elif kind is SlidingWindowManager:
+            offset = manager.sliding_window - 1 + int(getattr(manager, "extra_retained_tokens", 0))
+            skip = _skip_offset(manager, offset)
+            known = known and skip is not None
+        elif kind is MambaManager and getattr(manager, "mamba_cache_mode", None) != "align":
+            extra = manager.block_size * int(getattr(manager, "num_speculative_blocks", 0))
+            skip = _skip_offset(manager, 1)
+            known = known and skip is not None
+        else:
+            known = False
+        rules.append((manager.block_size, extra, skip, room_pools.get(gid)))
+    return rules, known and bool(rules)
+
+
+def running_requests_table(
+    managers: Sequence[Any], room_pools: dict[int, int], room_tokens: int, quiet_steps: bool
+) -> NativeRunningRequests:
+    """The table for these managers; quiet steps only where asked for and modelled."""
+    rules, known = group_rules(managers, room_pools)
+    return NativeRunningRequests(
+        rules, quiet_steps and known, room_tokens, label="per-group coordinator"
+    )
+
+
+def blocks_held(managers: Sequence[Any], request_id: str) -> list[int | None]:
+    """Per manager, the blocks ``request_id`` holds (None: the manager has no entry)."""
+    return [
+        None if (blocks := m.req_to_blocks.get(request_id)) is None else len(blocks)
+        for m in managers
+    ]
+
+
+def has_partial_hit(managers: Sequence[Any], request_id: str) -> bool:
+    """Whether a manager completes a prefix hit at the request's next allocation."""
+    return any(request_id in getattr(m, "_partial_hit_reqs", ()) for m in managers)

@@ -11,6 +11,8 @@
 //!   over the `NativeBlockPool`s of the groups (memory lent on allocation, live changes
 //!   passed on); the budget's own accounting is tested in the core
 //!   (`byte_budget.rs`), through no binding of its own;
+//! * [`running`]: `NativeRunningRequests`, what a coordinator knows of its running
+//!   requests' block tables (quiet decode steps, decode room);
 //! * [`views`]: `pool.blocks`, `pool.free_block_queue` and its iterator;
 //! * [`convert`]: errors, iterables, block hashes and removed keys.
 
@@ -18,6 +20,7 @@ mod block;
 mod convert;
 mod elastic;
 mod pool;
+mod running;
 mod views;
 
 use pyo3::prelude::*;
@@ -27,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block::Block>()?;
     m.add_class::<elastic::NativeElasticPools>()?;
     m.add_class::<pool::NativeBlockPool>()?;
+    m.add_class::<running::NativeRunningRequests>()?;
     m.add_class::<views::BlockTable>()?;
     m.add_class::<views::FreeQueueView>()?;
     m.add_class::<views::FreeBlockIterator>()?;

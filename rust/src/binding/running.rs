@@ -1,0 +1,186 @@
+//! `NativeRunningRequests`: the core's [`RunningRequests`] as a Python class. Counts come
+//! in as Python ints (saturated, so a negative or huge one is the core's `ValueError`
+//! naming the request, not an `OverflowError`); block counts as `int | None` per group.
+
+use super::convert::{pool_error, saturating_int};
+use crate::error::PoolError;
+use crate::running::{DecodeStep, GroupRule, RunningRequests};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+#[pyclass(module = "hybrid_alloc._native", name = "NativeRunningRequests")]
+pub struct NativeRunningRequests {
+    table: RunningRequests,
+    label: String,
+}
+
+/// A count the caller passes (tokens, blocks): a non-negative int.
+fn count(label: &str, request_id: &str, what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let v = saturating_int(obj)?;
+    u64::try_from(v).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{label}: request {request_id}: {what} {v} is negative"
+        ))
+    })
+}
+
+impl NativeRunningRequests {
+    fn held(&self, request_id: &str, held: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u64>>> {
+        let mut out = Vec::with_capacity(self.table.num_groups());
+        for item in held.try_iter()? {
+            let item = item?;
+            out.push(if item.is_none() {
+                None
+            } else {
+                Some(count(&self.label, request_id, "block count", &item)?)
+            });
+        }
+        Ok(out)
+    }
+
+    fn error(&self, e: PoolError) -> PyErr {
+        pool_error(&self.label, e)
+    }
+}
+
+#[pymethods]
+impl NativeRunningRequests {
+    /// `rules`: per KV-cache group, `(block_size, extra_slots, skip_offset, room_pool)`
+    /// (the last two `None` where the group never skips tokens / keeps no room).
+    #[new]
+    #[pyo3(signature = (rules, quiet_steps, room_tokens, label = "running requests".to_owned()))]
+    fn new(
+        rules: Vec<(u64, u64, Option<u64>, Option<usize>)>,
+        quiet_steps: bool,
+        room_tokens: u64,
+        label: String,
+    ) -> PyResult<Self> {
+        let rules = rules
+            .into_iter()
+            .map(
+                |(block_size, extra_slots, skip_offset, room_pool)| GroupRule {
+                    block_size,
+                    extra_slots,
+                    skip_offset,
+                    room_pool,
+                },
+            )
+            .collect();
+        let table = RunningRequests::new(rules, quiet_steps, room_tokens)
+            .map_err(|e| pool_error(&label, e))?;
+        Ok(Self { table, label })
+    }
+
+    /// Whether `quiet_step` may answer True at all.
+    #[getter]
+    fn quiet_steps(&self) -> bool {
+        self.table.quiet_steps()
+    }
+
+    /// Requests the table holds (a property, not `__len__`: an empty table must not read
+    /// as a missing one in `if table:`).
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.table.len()
+    }
+
+    fn __contains__(&self, request_id: &str) -> bool {
+        self.table.contains(request_id)
+    }
+
+    fn sync(
+        &mut self,
+        request_id: &str,
+        held: &Bound<'_, PyAny>,
+        partial_hit: bool,
+        room_length: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let held = self.held(request_id, held)?;
+        let length = count(&self.label, request_id, "room length", room_length)?;
+        self.table
+            .sync(request_id, &held, partial_hit, length)
+            .map_err(|e| self.error(e))
+    }
+
+    fn note_removed(
+        &mut self,
+        request_id: &str,
+        processed: &Bound<'_, PyAny>,
+        held: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let processed = count(&self.label, request_id, "processed tokens", processed)?;
+        let held = self.held(request_id, held)?;
+        self.table
+            .note_removed(request_id, processed, &held)
+            .map_err(|e| self.error(e))
+    }
+
+    fn quiet_step(
+        &mut self,
+        request_id: &str,
+        slots: &Bound<'_, PyAny>,
+        processed: &Bound<'_, PyAny>,
+        room_length: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let slots = count(&self.label, request_id, "slots", slots)?;
+        let processed = count(&self.label, request_id, "processed tokens", processed)?;
+        let length = count(&self.label, request_id, "room length", room_length)?;
+        Ok(self.table.quiet_step(request_id, slots, processed, length))
+    }
+
+    /// `quiet_step` for a running request's decode step, from the request's own counts
+    /// (the scheduler's hot path: one call, the arithmetic here).
+    #[allow(clippy::too_many_arguments)]
+    fn quiet_decode_step(
+        &mut self,
+        request_id: &str,
+        num_computed_tokens: i64,
+        num_new_tokens: i64,
+        num_lookahead_tokens: i64,
+        num_in_flight_tokens: i64,
+        num_prompt_tokens: i64,
+        num_tokens: i64,
+        max_model_len: i64,
+    ) -> PyResult<bool> {
+        let counts = [
+            ("num_computed_tokens", num_computed_tokens),
+            ("num_new_tokens", num_new_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_in_flight_tokens", num_in_flight_tokens),
+            ("num_prompt_tokens", num_prompt_tokens),
+            ("num_tokens", num_tokens),
+            ("max_model_len", max_model_len),
+        ];
+        let mut values = [0u64; 7];
+        for (value, (what, given)) in values.iter_mut().zip(counts) {
+            *value = u64::try_from(given).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{}: request {request_id}: {what} {given} is negative",
+                    self.label
+                ))
+            })?;
+        }
+        let [computed, new_tokens, lookahead, in_flight, prompt_tokens, num_tokens, max_model_len] =
+            values;
+        let step = DecodeStep {
+            computed,
+            new_tokens,
+            lookahead,
+            in_flight,
+            prompt_tokens,
+            num_tokens,
+            max_model_len,
+        };
+        Ok(self.table.quiet_decode_step(request_id, &step))
+    }
+
+    fn forget(&mut self, request_id: &str) {
+        self.table.forget(request_id);
+    }
+
+    /// `[(pool, pages), ...]` the running requests other than `except_request` lack for
+    /// their decode room.
+    fn room_asks(&self, except_request: &str) -> Vec<(usize, u64)> {
+        self.table.room_asks(except_request)
+    }
+}
