@@ -198,8 +198,8 @@ MUTANTS = (
         "quiet-step-ignores-window",
         "a decode step is quiet though a block left its window and vLLM would free it",
         "rust/src/running.rs",
-        "                        last <= entry.removed[g]\n",
-        "                        last <= entry.removed[g] || offset > 0\n",
+        "                if last > entry.removed[g] || need > 0 {\n",
+        "                if (last > entry.removed[g] && offset == 0) || need > 0 {\n",
         # Quiet steps against vLLM's whole allocate_slots, with a sliding window.
         ("tests/manager/test_quiet_steps.py",),
     ),

@@ -37,4 +37,4 @@ pub use notices::{Notice, Steps};
 pub use prefix_cache::PrefixCache;
 pub use reuse::ReuseWatchers;
 pub use routing::{BlockRef, Routed};
-pub use running::{DecodeStep, GroupRule, RunningRequests};
+pub use running::{DecodeStep, GroupRule, RunningRequests, StepPlan};

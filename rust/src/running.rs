@@ -22,6 +22,18 @@
 use crate::error::PoolError;
 use rustc_hash::FxHashMap;
 
+/// What a running request's `allocate_slots` would do, as far as the table can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StepPlan {
+    /// Nothing: no group allocates, frees or caches a block.
+    Quiet,
+    /// Only groups that never skip tokens (full attention) take blocks, this many per
+    /// group (0 elsewhere); nothing is freed or cached.
+    Grow(Vec<u64>),
+    /// Anything else (or a request the table does not hold): run vLLM's rules.
+    VllmPath,
+}
+
 /// One KV-cache group's rules, as vLLM's single-type manager applies them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupRule {
@@ -237,11 +249,54 @@ impl RunningRequests {
         Ok(())
     }
 
-    /// Whether `allocate_slots` for running request `request_id`, giving it `slots` token
-    /// slots in all with `processed` tokens safely computed, would allocate, free and
-    /// cache nothing in any group; if so the request's room is recounted at
-    /// `room_length` (the step's own bookkeeping). A request the table does not hold is
-    /// never quiet.
+    /// What `allocate_slots` for running request `request_id`, giving it `slots` token
+    /// slots in all with `processed` tokens safely computed, would do (see [`StepPlan`]).
+    /// Reads the table only.
+    pub fn plan_step(&self, request_id: &str, slots: u64, processed: u64) -> StepPlan {
+        if !self.quiet_steps {
+            return StepPlan::VllmPath;
+        }
+        let Some(entry) = self.entries.get(request_id) else {
+            return StepPlan::VllmPath;
+        };
+        if entry.partial_hit {
+            return StepPlan::VllmPath;
+        }
+        let mut needs = Vec::new();
+        for (g, rule) in self.rules.iter().enumerate() {
+            let Some(held) = entry.held[g] else {
+                return StepPlan::VllmPath;
+            };
+            // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
+            let need = slots
+                .saturating_add(rule.extra_slots)
+                .div_ceil(rule.block_size)
+                .saturating_sub(held);
+            if let Some(offset) = rule.skip_offset {
+                // `remove_skipped_blocks` frees back from its last skipped block and
+                // stops at a freed one: nothing to do if that block is freed already.
+                let last = (processed.saturating_sub(offset) / rule.block_size).min(held);
+                if last > entry.removed[g] || need > 0 {
+                    // A window moves, or a windowed group grows: vLLM's rules.
+                    return StepPlan::VllmPath;
+                }
+            }
+            if need > 0 {
+                if needs.is_empty() {
+                    needs = vec![0; self.rules.len()];
+                }
+                needs[g] = need;
+            }
+        }
+        if needs.is_empty() {
+            StepPlan::Quiet
+        } else {
+            StepPlan::Grow(needs)
+        }
+    }
+
+    /// Whether the step ([`Self::plan_step`]) is quiet; if so the request's room is
+    /// recounted at `room_length` (the step's own bookkeeping).
     pub fn quiet_step(
         &mut self,
         request_id: &str,
@@ -249,55 +304,37 @@ impl RunningRequests {
         processed: u64,
         room_length: u64,
     ) -> bool {
-        if !self.quiet_steps {
-            return false;
+        let quiet = self.plan_step(request_id, slots, processed) == StepPlan::Quiet;
+        if quiet {
+            self.recount_room(request_id, room_length);
         }
-        let Some(entry) = self.entries.get_mut(request_id) else {
-            return false;
-        };
-        let quiet = !entry.partial_hit
-            && self.rules.iter().enumerate().all(|(g, rule)| {
-                let Some(held) = entry.held[g] else {
-                    return false;
-                };
-                // A block past those held: vLLM's `get_num_blocks_to_allocate` > 0.
-                if slots
-                    .saturating_add(rule.extra_slots)
-                    .div_ceil(rule.block_size)
-                    > held
-                {
-                    return false;
-                }
-                // `remove_skipped_blocks` frees back from its last skipped block and
-                // stops at a freed one: nothing to do if that block is freed already.
-                match rule.skip_offset {
-                    Some(offset) => {
-                        let last = (processed.saturating_sub(offset) / rule.block_size).min(held);
-                        last <= entry.removed[g]
-                    }
-                    None => true,
-                }
-            });
-        if quiet && self.room_tokens > 0 {
+        quiet
+    }
+
+    /// [`Self::plan_step`] for a decode step given as vLLM's scheduler asks for it; a
+    /// quiet step's room is recounted (a step that grows is told with [`Self::sync`]
+    /// once its blocks are allocated).
+    pub fn decode_step(&mut self, request_id: &str, step: &DecodeStep) -> StepPlan {
+        let plan = self.plan_step(request_id, step.slots(), step.processed());
+        if plan == StepPlan::Quiet {
+            self.recount_room(request_id, step.room_length());
+        }
+        plan
+    }
+
+    fn recount_room(&mut self, request_id: &str, length: u64) {
+        if self.room_tokens == 0 {
+            return;
+        }
+        if let Some(entry) = self.entries.get_mut(request_id) {
             recount(
                 &self.rules,
                 self.room_tokens,
                 &mut self.room_totals,
                 entry,
-                room_length,
+                length,
             );
         }
-        quiet
-    }
-
-    /// [`Self::quiet_step`] for a decode step given as vLLM's scheduler asks for it.
-    pub fn quiet_decode_step(&mut self, request_id: &str, step: &DecodeStep) -> bool {
-        let length = if self.room_tokens > 0 {
-            step.room_length()
-        } else {
-            0
-        };
-        self.quiet_step(request_id, step.slots(), step.processed(), length)
     }
 
     /// The request is freed (or its blocks popped for a deferred free): its room is no
@@ -437,12 +474,34 @@ mod tests {
         assert_eq!(resumed.room_length(), 300);
         let mut t = RunningRequests::new(vec![full(16, 0)], true, 16).unwrap();
         t.sync("a", &[Some(7)], false, 100).unwrap();
-        assert!(t.quiet_decode_step("a", &step));
+        assert_eq!(t.decode_step("a", &step), StepPlan::Quiet);
         assert_eq!(
             t.room_asks(""),
             vec![(0, 1)],
             "ceil((101 + 16) / 16) = 8 pages"
         );
+    }
+
+    #[test]
+    fn a_step_past_held_blocks_grows_only_groups_without_a_window() {
+        let mut t =
+            RunningRequests::new(vec![full(16, 0), window(4096, 1), full(32, 1)], true, 0).unwrap();
+        t.sync("a", &[Some(2), Some(1), Some(1)], false, 0).unwrap();
+        assert_eq!(t.plan_step("a", 32, 31), StepPlan::Quiet);
+        assert_eq!(t.plan_step("a", 33, 32), StepPlan::Grow(vec![1, 0, 1]));
+        assert_eq!(t.plan_step("a", 50, 49), StepPlan::Grow(vec![2, 0, 1]));
+        // The state group would need a second block: vLLM's rules.
+        assert_eq!(t.plan_step("a", 4097, 4096), StepPlan::VllmPath);
+        // Its window moves (processed 4097: one state block skipped): vLLM's rules.
+        t.sync("a", &[Some(300), Some(1), Some(200)], false, 0)
+            .unwrap();
+        assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::VllmPath);
+        t.note_removed("a", 4097, &[Some(300), Some(1), Some(200)])
+            .unwrap();
+        assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::Quiet);
+        assert_eq!(t.plan_step("b", 1, 0), StepPlan::VllmPath);
+        let off = RunningRequests::new(vec![full(16, 0)], false, 0).unwrap();
+        assert_eq!(off.plan_step("a", 1, 0), StepPlan::VllmPath);
     }
 
     #[test]

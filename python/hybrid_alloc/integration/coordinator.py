@@ -126,6 +126,7 @@ class PerGroupPoolsMixin:
         ]
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
+        self._group_pools = [pool_set.pool_index_of_group(g) for g in range(pool_set.num_groups)]
         self._max_model_len = max_model_len
         # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
         # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
@@ -404,6 +405,54 @@ class PerGroupPoolsMixin:
                 max(0, processed_computed_tokens),
                 blocks_held(self.single_type_managers, request_id),
             )
+
+    def _grow_decode_step(
+        self, kv_manager: Any, request: Any, num_new: int, lookahead: int, needs: Sequence[int]
+    ) -> Any:
+        """vLLM's ``allocate_slots`` for a running request's decode step that, by the
+        running-requests table, only takes ``needs[g]`` blocks in groups without a window
+        (full attention): the same admission (each pool's need against its free blocks;
+        elastic pools: the plan, then the primary pool's count, as vLLM compares it), the
+        same managers' ``allocate_new_blocks``, the same result, and the same reservation
+        of an elastic step. What vLLM's call would also walk finds nothing to do here:
+        no block leaves a window (``remove_skipped_blocks``), no manager caches
+        (``cache_blocks``), and the other groups take no block. Refused: None, nothing
+        changed (vLLM's answer; the scheduler preempts)."""
+        request_id = request.request_id
+        max_len = kv_manager.max_model_len
+        main = min(request.num_computed_tokens, max_len) + num_new
+        slots = min(main + lookahead, max_len)
+        pool_set = self.pool_set
+        news = [(self._group_pools[g], n) for g, n in enumerate(needs)]
+        blocks: tuple[list[Any], ...] | None = None
+        try:
+            if pool_set.elastic is not None:
+                hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
+                primary = pool_set.primary_index
+                if not pool_set.plan(hits, news) or sum(
+                    n for idx, n in news if idx == primary
+                ) > pool_set.get_num_free_blocks():
+                    return None
+                self._admitted_step = (request_id, hits, news)
+                self._reserve_step(request_id)
+            else:
+                need = [0] * len(pool_set)
+                for idx, n in news:
+                    need[idx] += n
+                if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
+                    return None
+            managers = self.single_type_managers
+            blocks = tuple(
+                managers[g].allocate_new_blocks(request_id, slots, main) if n else []
+                for g, n in enumerate(needs)
+            )
+        finally:
+            self._reservation_queries.clear()
+            self._end_step()
+            if blocks is not None:
+                room = _room_length(request, num_new) if self._decode_room_tokens else 0
+                self._sync_running(request_id, room)
+        return kv_manager.create_kv_cache_blocks(blocks)
 
     def _forget_running(self, request_id: str) -> None:
         if self._running is not None:
@@ -710,25 +759,29 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         and (not kwargs or kwargs.keys() <= _DECODE_STEP_KWARGS)
         and request.status == _RUNNING
         and args[0] > 0
+    ):
         # The scheduler's call for a running request (no hits, loads or encoder tokens);
         # the table computes vLLM's `num_tokens_need_slot` and the processed prefix
         # `remove_skipped_blocks` is given from the request's counts, as
         # `allocate_slots` does, and the length its room is counted from.
-        and quiet.quiet_decode_step(
+        lookahead = kwargs.get("num_lookahead_tokens", 0)
+        needs = quiet.decode_step(
             request.request_id,
             request.num_computed_tokens,
             args[0],
-            kwargs.get("num_lookahead_tokens", 0),
+            lookahead,
             request.num_in_flight_tokens,
             request.num_prompt_tokens,
             request.num_tokens,
             self.max_model_len,
         )
-    ):
-        if coordinator._reservation_queries:
-            # As after any `allocate_slots` (below): the queries were for this step.
-            coordinator._reservation_queries.clear()
-        return self.empty_kv_cache_blocks
+        if needs is not None:
+            if needs:
+                return coordinator._grow_decode_step(self, request, args[0], lookahead, needs)
+            if coordinator._reservation_queries:
+                # As after any `allocate_slots` (below): the queries were for this step.
+                coordinator._reservation_queries.clear()
+            return self.empty_kv_cache_blocks
     num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
     if coordinator.pool_set.elastic is None:
         if coordinator._running is None:

@@ -4,9 +4,10 @@
 
 use super::convert::{pool_error, saturating_int};
 use crate::error::PoolError;
-use crate::running::{DecodeStep, GroupRule, RunningRequests};
+use crate::running::{DecodeStep, GroupRule, RunningRequests, StepPlan};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 #[pyclass(module = "hybrid_alloc._native", name = "NativeRunningRequests")]
 pub struct NativeRunningRequests {
@@ -128,11 +129,14 @@ impl NativeRunningRequests {
         Ok(self.table.quiet_step(request_id, slots, processed, length))
     }
 
-    /// `quiet_step` for a running request's decode step, from the request's own counts
-    /// (the scheduler's hot path: one call, the arithmetic here).
+    /// A running request's decode step, from the request's own counts (the scheduler's
+    /// hot path: one call, the arithmetic here): `None` where vLLM's rules must run,
+    /// `()` for a quiet step (its room recounted), else the blocks each group takes
+    /// (only groups without a window take any; tell `sync` once they are allocated).
     #[allow(clippy::too_many_arguments)]
-    fn quiet_decode_step(
+    fn decode_step<'py>(
         &mut self,
+        py: Python<'py>,
         request_id: &str,
         num_computed_tokens: i64,
         num_new_tokens: i64,
@@ -141,7 +145,7 @@ impl NativeRunningRequests {
         num_prompt_tokens: i64,
         num_tokens: i64,
         max_model_len: i64,
-    ) -> PyResult<bool> {
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let counts = [
             ("num_computed_tokens", num_computed_tokens),
             ("num_new_tokens", num_new_tokens),
@@ -171,7 +175,11 @@ impl NativeRunningRequests {
             num_tokens,
             max_model_len,
         };
-        Ok(self.table.quiet_decode_step(request_id, &step))
+        Ok(match self.table.decode_step(request_id, &step) {
+            StepPlan::VllmPath => None,
+            StepPlan::Quiet => Some(PyTuple::empty(py)),
+            StepPlan::Grow(needs) => Some(PyTuple::new(py, needs)?),
+        })
     }
 
     fn forget(&mut self, request_id: &str) {
