@@ -429,9 +429,10 @@ class PerGroupPoolsMixin:
             if pool_set.elastic is not None:
                 hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
                 primary = pool_set.primary_index
-                if not pool_set.plan(hits, news) or sum(
-                    n for idx, n in news if idx == primary
-                ) > pool_set.get_num_free_blocks():
+                if (
+                    not pool_set.plan(hits, news)
+                    or sum(n for idx, n in news if idx == primary) > pool_set.get_num_free_blocks()
+                ):
                     return None
                 self._admitted_step = (request_id, hits, news)
                 self._reserve_step(request_id)
