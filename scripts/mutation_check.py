@@ -156,16 +156,6 @@ MUTANTS = (
         ("tests/engine/test_nixl_layout.py",),
     ),
     Mutant(
-        "quiet-step-ignores-window",
-        "a decode step is answered as quiet while a block of the request leaves its "
-        "sliding window (vLLM would free it there)",
-        "python/hybrid_alloc/integration/quiet_step.py",
-        "            if windowed:",
-        "            if False:",
-        # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
-        ("tests/manager/test_quiet_steps.py",),
-    ),
-    Mutant(
         "take-back-tells-nobody",
         "a slab taken back from a group evicts and holds its pages without telling their "
         "unpin_blocks watchers or the metrics collector",
@@ -195,12 +185,22 @@ MUTANTS = (
         ("tests/pool_set/test_elastic_pools.py",),
     ),
     Mutant(
+        "decode-growth-unplanned",
+        "a decode step that only takes full-attention pages skips the elastic plan (it "
+        "takes pages the budget had promised elsewhere, or runs the budget dry)",
+        "python/hybrid_alloc/integration/coordinator.py",
+        "                    not pool_set.plan(hits, news)\n",
+        "                    not pool_set.plan(hits, [])\n",
+        ("tests/manager/test_quiet_steps.py",),
+    ),
+    Mutant(
         "quiet-step-ignores-window",
-        "a decode step is quiet though a block left its window and vLLM would free it",
+        "a decode step is answered as quiet while a block of the request leaves its "
+        "sliding window (vLLM would free it there)",
         "rust/src/running.rs",
         "                if last > entry.removed[g] || need > 0 {\n",
         "                if (last > entry.removed[g] && offset == 0) || need > 0 {\n",
-        # Quiet steps against vLLM's whole allocate_slots, with a sliding window.
+        # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
         ("tests/manager/test_quiet_steps.py",),
     ),
 )

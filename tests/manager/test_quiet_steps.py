@@ -26,6 +26,7 @@ from tests.helpers import (
     per_group_config,
     per_group_manager,
     state_mamba,
+    wide_attn,
 )
 from tests.manager.test_elastic_manager import elastic_config
 
@@ -33,16 +34,23 @@ LAYOUTS: dict[str, list[Any]] = {
     "full+mamba_none": [attn(), state_mamba("none")],
     "full+mamba_none+spec": [attn(), state_mamba("none", speculative_blocks=2)],
     "full+swa+mamba_none": [attn(), attn(window=32), state_mamba("none")],
+    # Two full-attention pools (pages of two sizes) that grow on the same decode steps:
+    # elastic pools plan both on one budget.
+    "full+wide+mamba_none": [attn(), wide_attn(), state_mamba("none")],
 }
 
+
+SLABS = {"full+wide+mamba_none": 5}
+"""Elastic budgets in slabs where not 24: about as many bytes as the others' (its slab, the
+least common multiple of three page sizes, is eight times theirs), so that it preempts."""
 
 ROOM = 48
 """Elastic pools' decode room here (`PerGroupPoolsMixin._decode_room_asks`)."""
 
 
-def build(specs: list[Any], elastic: bool, quiet: bool) -> Any:
+def build(specs: list[Any], elastic: bool, quiet: bool, slabs: int = 24) -> Any:
     if elastic:
-        config = elastic_config(specs, 24)
+        config = elastic_config(specs, slabs)
         config.decode_room_tokens = ROOM
     else:
         config = per_group_config(specs, [60] * len(specs))
@@ -83,8 +91,11 @@ def ids(result: Any) -> Any:
 class Twins:
     """The same requests on both managers, each call made on both and compared."""
 
-    def __init__(self, specs: list[Any], elastic: bool) -> None:
-        self.mgrs = [build(specs, elastic, quiet=False), build(specs, elastic, quiet=True)]
+    def __init__(self, specs: list[Any], elastic: bool, slabs: int = 24) -> None:
+        self.mgrs = [
+            build(specs, elastic, quiet=False, slabs=slabs),
+            build(specs, elastic, quiet=True, slabs=slabs),
+        ]
         self.counted = Counted(self.mgrs[1].coordinator._quiet_check)
         self.mgrs[1].coordinator._quiet_check = self.counted
         self.reqs: dict[str, list[Request]] = {}
@@ -220,7 +231,7 @@ def drive(twins: Twins, seed: int, steps: int) -> None:
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "static"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_quiet_steps_change_nothing(layout: str, elastic: bool) -> None:
-    twins = Twins(LAYOUTS[layout], elastic)
+    twins = Twins(LAYOUTS[layout], elastic, SLABS.get(layout, 24))
     for seed in range(3):
         drive(twins, seed, 150)
     counted = twins.counted
