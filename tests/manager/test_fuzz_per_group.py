@@ -64,6 +64,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import integration
+from hybrid_alloc.integration import coordinator as pg_coordinator
 from tests.helpers import (
     BLOCK,
     MAX_LEN,
@@ -216,19 +217,24 @@ class PerGroupMachine(CountingMachine):
     # ---------------------------------------------------------------- helpers
     def run(self, side: str, fn: str, rid: str, *args: Any, **kwargs: Any) -> Any:
         """``fn(request, ...)`` on one side's manager: vLLM's with the integration
-        uninstalled, ours with it installed (the batched lookup); returns (result, error)."""
+        uninstalled, ours with it installed (the batched lookup, our ``allocate_slots``);
+        returns (result, error)."""
         t = self.tracked[rid]
         if side == "stock":
             integration.uninstall()
             mgr, req = self.stock, t.stock
         else:
             integration.install(per_group_pools=False)
+            # The per-group coordinator's `allocate_slots` (as the engine installs it): its
+            # running-requests table answers decode steps.
+            pg_coordinator.install()
             mgr, req = self.ours, t.ours
         try:
             return getattr(mgr, fn)(req, *args, **kwargs), None
         except ValueError as e:
             return None, e
         finally:
+            pg_coordinator.uninstall()
             integration.uninstall()
 
     def both(self, fn: str, rid: str, *args: Any, **kwargs: Any) -> None:
