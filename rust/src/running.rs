@@ -1,20 +1,21 @@
 //! What a coordinator knows about its running requests' block tables, per KV-cache group:
 //! how many blocks each request holds, how far its window's blocks are already freed, and
 //! the pages it lacks for its decode room. It answers, in one call per request and step,
-//! the two questions vLLM's scheduler would otherwise make the managers walk every group
-//! for:
+//! what vLLM's scheduler would otherwise make the managers walk every group for:
 //!
-//! * [`RunningRequests::quiet_step`]: would `allocate_slots` for this running request's
-//!   decode step allocate, free and cache nothing? (then vLLM's answer is the empty
-//!   `KVCacheBlocks`, and the call can return at once);
+//! * [`RunningRequests::decode_step`] (and [`RunningRequests::plan_step`] under it): what
+//!   `allocate_slots` for a running request's step would do ([`StepPlan`]): nothing (then
+//!   vLLM's answer is the empty `KVCacheBlocks`, and the call can return at once), only
+//!   take blocks in full-attention groups (then the caller allocates just those), or
+//!   anything else (vLLM's rules run);
 //! * [`RunningRequests::room_asks`]: how many pages, per pool, do the running requests lack
 //!   for `room_tokens` more tokens each? (what an admission must leave them).
 //!
 //! The block tables themselves stay in vLLM's managers; this table is told about them
 //! after every call that can change them ([`RunningRequests::sync`] after an
-//! `allocate_slots` that took vLLM's path, [`RunningRequests::note_removed`] after the
-//! window's blocks are freed, [`RunningRequests::forget`] when a request is freed). Every
-//! way it can lag behind the managers makes it answer "not quiet", never "quiet" wrongly:
+//! `allocate_slots`, [`RunningRequests::note_removed`] after the window's blocks are
+//! freed, [`RunningRequests::forget`] when a request is freed). Every way it can lag
+//! behind the managers makes it answer "vLLM's rules", never "quiet" or "grow" wrongly:
 //! more blocks than it knows of, or more window blocks freed, only make a step look
 //! busier. The one change that would go the other way, a request's blocks shrinking from
 //! the end, happens only when the request is freed, which [`RunningRequests::forget`]s it.
@@ -79,7 +80,10 @@ impl DecodeStep {
     /// vLLM's `num_tokens_need_slot`: the slots the request holds after the step.
     pub fn slots(&self) -> u64 {
         let computed = self.computed.min(self.max_model_len);
-        (computed + self.new_tokens + self.lookahead).min(self.max_model_len)
+        computed
+            .saturating_add(self.new_tokens)
+            .saturating_add(self.lookahead)
+            .min(self.max_model_len)
     }
 
     /// The processed prefix `allocate_slots` gives `remove_skipped_blocks`.
@@ -95,7 +99,7 @@ impl DecodeStep {
     pub fn room_length(&self) -> u64 {
         self.prompt_tokens
             .max(self.num_tokens.saturating_sub(1))
-            .max(self.computed + self.new_tokens)
+            .max(self.computed.saturating_add(self.new_tokens))
     }
 }
 

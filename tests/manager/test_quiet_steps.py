@@ -1,13 +1,15 @@
-"""Quiet steps (`integration.quiet_step`): a running request's ``allocate_slots`` that
-would change nothing returns at once on per-group pools. Differential: two of vLLM's own
-`KVCacheManager` over per-group pools, one built with quiet steps off (vLLM's whole
-``allocate_slots`` on every call), one with them on, driven with the same scheduler-like
-steps (admissions in chunks, decode steps with drafts and lookahead slots, drafts
-rejected, preemptions, resumptions, finishes). Every call must answer the same (admitted
-or not, the same new block IDs), and after every step every request holds the same block
-IDs and every pool the same free blocks. Layouts: full attention + Mamba 'none', with
-speculative Mamba blocks, and with a sliding window (whose blocks leave the window while
-a request decodes)."""
+"""Decode steps from the running-requests table (`integration.quiet_step`): a running
+request's ``allocate_slots`` that would change nothing returns at once on per-group pools,
+and one that only takes full-attention pages allocates just those. Differential: two of
+vLLM's own `KVCacheManager` over per-group pools, one built with the table's steps off
+(vLLM's whole ``allocate_slots`` on every call), one with them on, driven with the same
+scheduler-like steps (admissions in chunks, decode steps with drafts and lookahead slots,
+drafts rejected, async in-flight tokens, preemptions, resumptions, finishes). Every call
+must answer the same (admitted or not, the same new block IDs), and after every step every
+request holds the same block IDs, every pool the same free blocks, and the decode room's
+totals are what walking the requests gives. Layouts: full attention + Mamba 'none', with
+speculative Mamba blocks, with a sliding window (whose blocks leave the window while a
+request decodes), and with two full-attention pools of different page sizes."""
 
 from __future__ import annotations
 

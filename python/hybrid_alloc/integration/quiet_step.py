@@ -1,19 +1,22 @@
-"""The coordinator's table of running requests, in Rust: quiet decode steps and decode room.
+"""The coordinator's table of running requests, in Rust: decode steps and decode room.
 
 vLLM's scheduler calls ``KVCacheManager.allocate_slots(request, n, num_lookahead_tokens=k)``
 for every running request on every step. With per-group pools' natural pages (16 tokens
 where stock's shared pool has blocks of hundreds), most of those calls change nothing:
-no group needs a page, no block leaves a window, nothing gets cached. vLLM still walks
-its coordinator and every single-type manager to find that out (about 20 us a request on
-a 4-group model, measured in ``benches/bench_manager.py``).
+no group needs a page, no block leaves a window, nothing gets cached; most of the rest
+take one page in each full-attention group. vLLM still walks its coordinator and every
+single-type manager to find that out (about 14 us a request on a 4-group model, measured
+in ``benches/bench_manager.py``).
 
 :func:`running_requests_table` builds the coordinator's
 :class:`~hybrid_alloc._native.NativeRunningRequests`: per KV-cache group, the rules of
 its manager, as vLLM's methods apply them; per request, the blocks each group holds and
 how far its window's blocks are freed (told after every call that can change them). One
-call per request and step (``quiet_step``) answers "would this ``allocate_slots`` change
-anything?", and keeps the request's decode room counted (elastic pools,
-``PerGroupPoolsMixin._decode_room_asks``). Rules modelled:
+call per request and step (``decode_step``) answers what this ``allocate_slots`` would
+do: nothing (quiet; the request's decode room is recounted in the same call), only take
+blocks in full-attention groups (`PerGroupPoolsMixin._grow_decode_step` then allocates
+just those), or anything else (vLLM's whole ``allocate_slots``). It also keeps the decode
+room's totals (elastic pools, ``PerGroupPoolsMixin._decode_room_asks``). Rules modelled:
 
 * full attention (``FullAttentionManager`` itself, not its subclasses): never frees
   while a request runs; needs a page when the slots outgrow its blocks;
@@ -22,13 +25,12 @@ anything?", and keeps the request's decode room counted (elastic pools,
 * Mamba/GDN outside 'align' mode (one state block, plus the speculative ones): the same
   two rules, skipping ``processed - 1`` tokens.
 
-A step is quiet only where every manager is of these kinds and none caches blocks
+The table answers only where every manager is of these kinds and none caches blocks
 (prefix caching off, the 'none' mode hybrids run in), so ``cache_blocks`` is a no-op on
 every step; any other manager kind (Mamba 'align', chunked local, cross-attention,
 sinks, ...) makes every call take vLLM's path, and the table keeps only the room. A
 quiet call returns what vLLM returns for it, the empty ``KVCacheBlocks``, and nothing
-else happens in vLLM either; a call that is not quiet runs vLLM's whole
-``allocate_slots``.
+else happens in vLLM either.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 //! `NativeRunningRequests`: the core's [`RunningRequests`] as a Python class. Counts come
-//! in as Python ints (saturated, so a negative or huge one is the core's `ValueError`
-//! naming the request, not an `OverflowError`); block counts as `int | None` per group.
+//! in as Python ints: a negative one is a `ValueError` naming the table and the request,
+//! one past 64 bits counts as the largest (never an `OverflowError`); block counts as
+//! `int | None` per group. The table is built by `hybrid_alloc.integration.quiet_step`.
 
 use super::convert::{pool_error, saturating_int};
 use crate::error::PoolError;
