@@ -198,8 +198,8 @@ MUTANTS = (
         "a decode step is answered as quiet while a block of the request leaves its "
         "sliding window (vLLM would free it there)",
         "rust/src/running.rs",
-        "                if last > entry.removed[g] || need > 0 {\n",
-        "                if (last > entry.removed[g] && offset == 0) || need > 0 {\n",
+        "            if last > entry.removed[g] || need > 0 {\n",
+        "            if (last > entry.removed[g] && offset == 0) || need > 0 {\n",
         # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
         ("tests/manager/test_quiet_steps.py",),
     ),

@@ -125,6 +125,45 @@ fn recount(
     }
 }
 
+/// What `allocate_slots` for the request of `entry` would do, giving it `slots` token
+/// slots in all with `processed` tokens safely computed (see [`StepPlan`]).
+fn plan_entry(rules: &[GroupRule], entry: &Entry, slots: u64, processed: u64) -> StepPlan {
+    if entry.partial_hit {
+        return StepPlan::VllmPath;
+    }
+    let mut needs = Vec::new();
+    for (g, rule) in rules.iter().enumerate() {
+        let Some(held) = entry.held[g] else {
+            return StepPlan::VllmPath;
+        };
+        // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
+        let need = slots
+            .saturating_add(rule.extra_slots)
+            .div_ceil(rule.block_size)
+            .saturating_sub(held);
+        if let Some(offset) = rule.skip_offset {
+            // `remove_skipped_blocks` frees back from its last skipped block and
+            // stops at a freed one: nothing to do if that block is freed already.
+            let last = (processed.saturating_sub(offset) / rule.block_size).min(held);
+            if last > entry.removed[g] || need > 0 {
+                // A window moves, or a windowed group grows: vLLM's rules.
+                return StepPlan::VllmPath;
+            }
+        }
+        if need > 0 {
+            if needs.is_empty() {
+                needs = vec![0; rules.len()];
+            }
+            needs[g] = need;
+        }
+    }
+    if needs.is_empty() {
+        StepPlan::Quiet
+    } else {
+        StepPlan::Grow(needs)
+    }
+}
+
 /// The running requests of one coordinator (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct RunningRequests {
@@ -257,50 +296,37 @@ impl RunningRequests {
     /// slots in all with `processed` tokens safely computed, would do (see [`StepPlan`]).
     /// Reads the table only.
     pub fn plan_step(&self, request_id: &str, slots: u64, processed: u64) -> StepPlan {
-        if !self.quiet_steps {
-            return StepPlan::VllmPath;
-        }
-        let Some(entry) = self.entries.get(request_id) else {
-            return StepPlan::VllmPath;
-        };
-        if entry.partial_hit {
-            return StepPlan::VllmPath;
-        }
-        let mut needs = Vec::new();
-        for (g, rule) in self.rules.iter().enumerate() {
-            let Some(held) = entry.held[g] else {
-                return StepPlan::VllmPath;
-            };
-            // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
-            let need = slots
-                .saturating_add(rule.extra_slots)
-                .div_ceil(rule.block_size)
-                .saturating_sub(held);
-            if let Some(offset) = rule.skip_offset {
-                // `remove_skipped_blocks` frees back from its last skipped block and
-                // stops at a freed one: nothing to do if that block is freed already.
-                let last = (processed.saturating_sub(offset) / rule.block_size).min(held);
-                if last > entry.removed[g] || need > 0 {
-                    // A window moves, or a windowed group grows: vLLM's rules.
-                    return StepPlan::VllmPath;
-                }
-            }
-            if need > 0 {
-                if needs.is_empty() {
-                    needs = vec![0; self.rules.len()];
-                }
-                needs[g] = need;
-            }
-        }
-        if needs.is_empty() {
-            StepPlan::Quiet
-        } else {
-            StepPlan::Grow(needs)
+        match self.entries.get(request_id) {
+            Some(entry) if self.quiet_steps => plan_entry(&self.rules, entry, slots, processed),
+            _ => StepPlan::VllmPath,
         }
     }
 
+    /// [`Self::plan_step`], recounting a quiet step's room at `room_length` (the step's
+    /// own bookkeeping; a step that grows is told with [`Self::sync`] once its blocks are
+    /// allocated). One lookup of the request: this is the scheduler's hot path.
+    fn step(&mut self, request_id: &str, slots: u64, processed: u64, room_length: u64) -> StepPlan {
+        if !self.quiet_steps {
+            return StepPlan::VllmPath;
+        }
+        let Some(entry) = self.entries.get_mut(request_id) else {
+            return StepPlan::VllmPath;
+        };
+        let plan = plan_entry(&self.rules, entry, slots, processed);
+        if plan == StepPlan::Quiet && self.room_tokens > 0 {
+            recount(
+                &self.rules,
+                self.room_tokens,
+                &mut self.room_totals,
+                entry,
+                room_length,
+            );
+        }
+        plan
+    }
+
     /// Whether the step ([`Self::plan_step`]) is quiet; if so the request's room is
-    /// recounted at `room_length` (the step's own bookkeeping).
+    /// recounted at `room_length`.
     pub fn quiet_step(
         &mut self,
         request_id: &str,
@@ -308,37 +334,18 @@ impl RunningRequests {
         processed: u64,
         room_length: u64,
     ) -> bool {
-        let quiet = self.plan_step(request_id, slots, processed) == StepPlan::Quiet;
-        if quiet {
-            self.recount_room(request_id, room_length);
-        }
-        quiet
+        self.step(request_id, slots, processed, room_length) == StepPlan::Quiet
     }
 
     /// [`Self::plan_step`] for a decode step given as vLLM's scheduler asks for it; a
-    /// quiet step's room is recounted (a step that grows is told with [`Self::sync`]
-    /// once its blocks are allocated).
+    /// quiet step's room is recounted.
     pub fn decode_step(&mut self, request_id: &str, step: &DecodeStep) -> StepPlan {
-        let plan = self.plan_step(request_id, step.slots(), step.processed());
-        if plan == StepPlan::Quiet {
-            self.recount_room(request_id, step.room_length());
-        }
-        plan
-    }
-
-    fn recount_room(&mut self, request_id: &str, length: u64) {
-        if self.room_tokens == 0 {
-            return;
-        }
-        if let Some(entry) = self.entries.get_mut(request_id) {
-            recount(
-                &self.rules,
-                self.room_tokens,
-                &mut self.room_totals,
-                entry,
-                length,
-            );
-        }
+        self.step(
+            request_id,
+            step.slots(),
+            step.processed(),
+            step.room_length(),
+        )
     }
 
     /// The request is freed (or its blocks popped for a deferred free): its room is no
