@@ -203,6 +203,26 @@ MUTANTS = (
         # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
         ("tests/manager/test_quiet_steps.py",),
     ),
+    Mutant(
+        "quiet-step-skips-caching",
+        "a decode step whose tokens fill a block is answered as quiet with prefix caching "
+        "on (vLLM would cache the full block there)",
+        "rust/src/running.rs",
+        "    if cached_tokens / size > entry.cached[g] {\n",
+        "    if cached_tokens / size > entry.cached[g] + 1 {\n",
+        # test_caching_quiet_steps_change_nothing: the prefix caches differ.
+        ("tests/manager/test_quiet_steps_caching.py",),
+    ),
+    Mutant(
+        "quiet-step-keeps-stale-state",
+        "a Mamba 'align' decode step is answered as quiet while the state block of two "
+        "steps ago is still to be freed (vLLM frees it there)",
+        "rust/src/running.rs",
+        "                if stale.saturating_add(1) < processed.div_ceil(size) {\n",
+        "                if stale.saturating_add(1) < processed.div_ceil(size) && size == 0 {\n",
+        # test_caching_quiet_steps_change_nothing: free blocks and manager state differ.
+        ("tests/manager/test_quiet_steps_caching.py",),
+    ),
 )
 
 

@@ -205,7 +205,8 @@ class NativeElasticPools:
 @final
 class NativeRunningRequests:
     """A coordinator's running requests: blocks held per group, window blocks freed,
-    decode room lacked (see ``hybrid_alloc.integration.quiet_step``)."""
+    decode room lacked, and (prefix caching) what caching managers hold of each request
+    (see ``hybrid_alloc.integration.quiet_step``)."""
 
     def __init__(
         self,
@@ -213,6 +214,8 @@ class NativeRunningRequests:
         quiet_steps: bool,
         room_tokens: int,
         label: str = "running requests",
+        caching: list[tuple[str, int, bool]] | None = None,
+        cacheable: tuple[int, int | None, int] | None = None,
     ) -> None: ...
     @property
     def quiet_steps(self) -> bool: ...
@@ -220,8 +223,17 @@ class NativeRunningRequests:
     def num_requests(self) -> int: ...
     def __contains__(self, request_id: str) -> bool: ...
     def sync(
-        self, request_id: str, held: Sequence[int | None], partial_hit: bool, room_length: int
+        self,
+        request_id: str,
+        held: Sequence[int | None],
+        partial_hit: bool,
+        room_length: int,
+        facts: tuple[
+            Sequence[int], Sequence[int], Sequence[int | None], Sequence[int], bool, int, int
+        ]
+        | None = None,
     ) -> None: ...
+    def cacheable_tokens(self, group: int, tokens: int) -> int | None: ...
     def note_removed(self, request_id: str, processed: int, held: Sequence[int | None]) -> None: ...
     def quiet_step(self, request_id: str, slots: int, processed: int, room_length: int) -> bool: ...
     def decode_step(

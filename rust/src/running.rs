@@ -47,6 +47,103 @@ pub struct GroupRule {
     pub skip_offset: Option<u64>,
     /// For a group whose blocks grow with the sequence and keep decode room: its pool.
     pub room_pool: Option<usize>,
+    /// How the group caches blocks (prefix caching).
+    pub caching: Caching,
+    /// Whether the manager keeps a block for EAGLE's lookup (`manager.use_eagle`): its
+    /// cacheable prefix and its prompt's partial entry are counted differently.
+    pub use_eagle: bool,
+}
+
+/// How a group's manager caches blocks, as far as a decode step can touch them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caching {
+    /// Caches nothing (prefix caching off).
+    Off,
+    /// `FullAttentionManager` with prefix caching: each block is cached once it fills;
+    /// where a block holds several hash blocks, every `cache_blocks` also registers the
+    /// prompt's last hash boundary inside its block (a partial entry), a no-op once it
+    /// is registered while the request holds the block.
+    Full,
+    /// `MambaManager` in 'align' mode: blocks of `block_size` tokens, the running state
+    /// in the last (plus `speculative_blocks`), checkpoints at hash boundaries, and the
+    /// state of two steps ago freed once the state moves on.
+    MambaAlign { speculative_blocks: u64 },
+}
+
+/// The coordinator's `get_num_cacheable_tokens` rule: how many of a step's tokens its
+/// `cache_blocks` hands each manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cacheable {
+    /// Tokens per hash block (the prefix cache's key granularity).
+    pub hash_block_size: u64,
+    /// `HybridKVCacheCoordinator`: the prefix is rounded down to this many tokens
+    /// (1: not rounded, fine-grained partial hits). `None`: vLLM's base rule.
+    pub hybrid_align: Option<u64>,
+    /// Trailing tokens never cached (multi-module MTP can prefill them again).
+    pub reprefillable: u64,
+}
+
+impl Cacheable {
+    /// The tokens `cache_blocks` hands the manager of `rule` when it caches `tokens`.
+    pub fn tokens(&self, rule: &GroupRule, tokens: u64) -> u64 {
+        let finalized = tokens.saturating_sub(self.reprefillable);
+        let Some(align) = self.hybrid_align else {
+            return finalized;
+        };
+        let round = |t: u64| t - t % align.max(1);
+        let aligned = round(tokens);
+        if rule.use_eagle && aligned > 0 {
+            finalized.min(round(finalized).saturating_add(rule.block_size))
+        } else {
+            aligned
+        }
+    }
+
+    /// The prompt's last hash boundary a full-attention group registers as a partial
+    /// entry (0: none, or it ends a block), as `FullAttentionManager` computes it.
+    pub fn partial_boundary(&self, rule: &GroupRule, prompt_tokens: u64) -> u64 {
+        let hbs = self.hash_block_size.max(1);
+        if rule.block_size == hbs {
+            return 0;
+        }
+        let limit = if rule.use_eagle {
+            prompt_tokens
+        } else {
+            prompt_tokens.saturating_sub(1)
+        };
+        let boundary = limit / hbs * hbs;
+        if boundary % rule.block_size == 0 {
+            0
+        } else {
+            boundary
+        }
+    }
+}
+
+/// What the table learns of a caching request's managers after vLLM's `allocate_slots`
+/// for it (read from the managers at [`RunningRequests::sync`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheFacts {
+    /// Per group: blocks cached so far (`num_cached_block`).
+    pub cached: Vec<u64>,
+    /// Per group: Mamba 'align' blocks from the start already retired (freed or null).
+    pub retired: Vec<u64>,
+    /// Per group: the Mamba 'align' state block of two steps ago that a later
+    /// `remove_skipped_blocks` frees (`last_state_block_idx`), `None` where there is
+    /// none or it is freed already.
+    pub stale_state: Vec<Option<u64>>,
+    /// Every Mamba 'align' manager has given the request its blocks already and holds
+    /// no checkpoint for it (so a quiet step leaves their sets as they are).
+    pub settled: bool,
+    /// Per group: the prompt's last hash boundary where a Mamba 'align' manager keeps
+    /// the state as a partial entry (`get_mamba_prefill_checkpoint_position`); 0 where
+    /// there is none, or its block is freed (vLLM skips it), and in other groups.
+    pub state_boundary: Vec<u64>,
+    /// Tokens the call cached at least (before the coordinator's rule): 0 where it
+    /// cached nothing (refused, or its caching delayed for a KV load).
+    pub cached_tokens: u64,
+    /// The request's prompt length.
+    pub prompt_tokens: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -59,6 +156,16 @@ struct Entry {
     partial_hit: bool,
     /// Pages lacked for the decode room, per group (0 outside room groups).
     lacks: Vec<u64>,
+    /// Per group: blocks cached (caching groups).
+    cached: Vec<u64>,
+    /// Per group: Mamba 'align' state block a `remove_skipped_blocks` frees later.
+    stale_state: Vec<Option<u64>>,
+    /// Per group: the prompt's partial entry is registered on a block the request holds.
+    partial_done: Vec<bool>,
+    /// See [`CacheFacts::state_boundary`].
+    state_boundary: Vec<u64>,
+    /// See [`CacheFacts::settled`].
+    settled: bool,
 }
 
 /// A running request's decode step as vLLM's scheduler asks for it
@@ -84,6 +191,19 @@ impl DecodeStep {
             .saturating_add(self.new_tokens)
             .saturating_add(self.lookahead)
             .min(self.max_model_len)
+    }
+
+    /// vLLM's `num_tokens_main_model`: the step's tokens without lookahead slots.
+    pub fn main(&self) -> u64 {
+        self.computed
+            .min(self.max_model_len)
+            .saturating_add(self.new_tokens)
+    }
+
+    /// The tokens `allocate_slots` asks the coordinator to cache (before its rule): the
+    /// step's, capped at the request's own (draft tokens are not cached).
+    pub fn cache_tokens(&self) -> u64 {
+        self.main().min(self.num_tokens)
     }
 
     /// The processed prefix `allocate_slots` gives `remove_skipped_blocks`.
@@ -126,8 +246,16 @@ fn recount(
 }
 
 /// What `allocate_slots` for the request of `entry` would do, giving it `slots` token
-/// slots in all with `processed` tokens safely computed (see [`StepPlan`]).
-fn plan_entry(rules: &[GroupRule], entry: &Entry, slots: u64, processed: u64) -> StepPlan {
+/// slots in all with `processed` tokens safely computed (see [`StepPlan`]). Caching
+/// groups need the whole `step` (without it: vLLM's rules).
+fn plan_entry(
+    rules: &[GroupRule],
+    cacheable: Option<&Cacheable>,
+    entry: &Entry,
+    slots: u64,
+    processed: u64,
+    step: Option<&DecodeStep>,
+) -> StepPlan {
     if entry.partial_hit {
         return StepPlan::VllmPath;
     }
@@ -136,6 +264,16 @@ fn plan_entry(rules: &[GroupRule], entry: &Entry, slots: u64, processed: u64) ->
         let Some(held) = entry.held[g] else {
             return StepPlan::VllmPath;
         };
+        if rule.caching != Caching::Off {
+            // Nothing allocated, freed, cached or checkpointed in a caching group; any
+            // of those takes vLLM's path.
+            match (cacheable, step) {
+                (Some(c), Some(step)) if caching_step_is_quiet(rule, c, entry, g, held, step) => {
+                    continue
+                }
+                _ => return StepPlan::VllmPath,
+            }
+        }
         // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
         let need = slots
             .saturating_add(rule.extra_slots)
@@ -151,6 +289,10 @@ fn plan_entry(rules: &[GroupRule], entry: &Entry, slots: u64, processed: u64) ->
             }
         }
         if need > 0 {
+            if cacheable.is_some() {
+                // A block fills as another starts: vLLM caches it.
+                return StepPlan::VllmPath;
+            }
             if needs.is_empty() {
                 needs = vec![0; rules.len()];
             }
@@ -164,10 +306,75 @@ fn plan_entry(rules: &[GroupRule], entry: &Entry, slots: u64, processed: u64) ->
     }
 }
 
+/// Whether vLLM's `allocate_slots` for a decode `step` leaves caching group `g` (which
+/// holds `held` blocks) exactly as it is: its `remove_skipped_blocks`,
+/// `get_num_blocks_to_allocate`, `allocate_new_blocks` and `cache_blocks` each find
+/// nothing to do. Only decode steps (the prompt computed) of settled requests qualify.
+fn caching_step_is_quiet(
+    rule: &GroupRule,
+    cacheable: &Cacheable,
+    entry: &Entry,
+    g: usize,
+    held: u64,
+    step: &DecodeStep,
+) -> bool {
+    let computed = step.computed.min(step.max_model_len);
+    if !entry.settled || computed == 0 || step.computed < step.prompt_tokens {
+        return false;
+    }
+    let size = rule.block_size;
+    let cached_tokens = cacheable.tokens(rule, step.cache_tokens());
+    // `cache_blocks` returns at once while no new block is full.
+    if cached_tokens / size > entry.cached[g] {
+        return false;
+    }
+    match rule.caching {
+        Caching::Off => true,
+        Caching::Full => {
+            let boundary = cacheable.partial_boundary(rule, step.prompt_tokens);
+            // No partial entry, or one registered already (re-registering the same key
+            // on the same block is a no-op), or one `cache_blocks` does not reach yet.
+            let partial_quiet = boundary == 0
+                || entry.partial_done[g]
+                || boundary > cached_tokens
+                || boundary / size >= held;
+            step.slots().div_ceil(size) <= held && partial_quiet
+        }
+        Caching::MambaAlign { speculative_blocks } => {
+            let main = step.main();
+            // 'align' blocks count the step's own tokens, not lookahead slots.
+            if main.div_ceil(size).saturating_add(speculative_blocks) > held {
+                return false;
+            }
+            // A checkpoint column past the initial state's: vLLM may reserve one.
+            if main.div_ceil(size) >= (computed - 1) / size + 3 {
+                return false;
+            }
+            let processed = step.processed();
+            if processed >= 2 && ((processed - 1) / size).min(held) > entry.removed[g] {
+                return false;
+            }
+            // The state of two steps ago is freed once the state passes it.
+            if let Some(stale) = entry.stale_state[g] {
+                if stale.saturating_add(1) < processed.div_ceil(size) {
+                    return false;
+                }
+            }
+            // A state at the prompt's last hash boundary is registered (a partial
+            // entry).
+            cached_tokens == 0
+                || cached_tokens != entry.state_boundary[g]
+                || cached_tokens % cacheable.hash_block_size.max(1) != 0
+        }
+    }
+}
+
 /// The running requests of one coordinator (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct RunningRequests {
     rules: Vec<GroupRule>,
+    /// The coordinator's caching rule where a group caches blocks.
+    cacheable: Option<Cacheable>,
     quiet_steps: bool,
     room_tokens: u64,
     entries: FxHashMap<String, Entry>,
@@ -178,25 +385,52 @@ pub struct RunningRequests {
 impl RunningRequests {
     /// A table for groups with these rules. `quiet_steps`: whether [`Self::quiet_step`]
     /// may answer "quiet" at all (the coordinator's managers' rules are all modelled);
-    /// `room_tokens`: each running request's decode room (0: none kept).
+    /// `room_tokens`: each running request's decode room (0: none kept); `cacheable`:
+    /// the coordinator's caching rule, required where a group caches blocks.
     pub fn new(
         rules: Vec<GroupRule>,
         quiet_steps: bool,
         room_tokens: u64,
+        cacheable: Option<Cacheable>,
     ) -> Result<Self, PoolError> {
         if let Some((g, _)) = rules.iter().enumerate().find(|(_, r)| r.block_size == 0) {
             return Err(PoolError::InvalidArgument(format!(
                 "group {g}: block size 0"
             )));
         }
+        let caches = rules.iter().any(|r| r.caching != Caching::Off);
+        match cacheable {
+            None if caches => {
+                return Err(PoolError::InvalidArgument(
+                    "caching groups need the coordinator's caching rule".to_owned(),
+                ))
+            }
+            Some(c) if c.hash_block_size == 0 || c.hybrid_align == Some(0) => {
+                return Err(PoolError::InvalidArgument(format!(
+                    "hash block size {} / alignment {:?}: must be positive",
+                    c.hash_block_size, c.hybrid_align
+                )))
+            }
+            _ => {}
+        }
         let n = rules.len();
         Ok(Self {
             rules,
+            cacheable: cacheable.filter(|_| caches),
             quiet_steps,
             room_tokens,
             entries: FxHashMap::default(),
             room_totals: vec![0; n],
         })
+    }
+
+    /// What the coordinator's caching rule hands group `group` of `tokens` (`None`: the
+    /// table caches nothing).
+    pub fn cacheable_tokens(&self, group: usize, tokens: u64) -> Result<Option<u64>, PoolError> {
+        let rule = self.rules.get(group).ok_or_else(|| {
+            PoolError::InvalidArgument(format!("group {group} of {}", self.rules.len()))
+        })?;
+        Ok(self.cacheable.as_ref().map(|c| c.tokens(rule, tokens)))
     }
 
     /// Whether [`Self::quiet_step`] may answer "quiet" at all.
@@ -233,16 +467,25 @@ impl RunningRequests {
 
     /// After vLLM's `allocate_slots` for `request_id`: the blocks each group holds now
     /// (`None` where the group's manager has no entry), whether a prefix hit is pending,
-    /// and the request's length for its room. A request no group holds blocks for is
-    /// not running (refused, or not admitted yet) and is forgotten.
+    /// the request's length for its room, and (caching groups) what the managers hold
+    /// of it (without `facts` its steps take vLLM's path until a sync brings them). A
+    /// request no group holds blocks for is not running (refused, or not admitted yet)
+    /// and is forgotten.
     pub fn sync(
         &mut self,
         request_id: &str,
         held: &[Option<u64>],
         partial_hit: bool,
         room_length: u64,
+        facts: Option<&CacheFacts>,
     ) -> Result<(), PoolError> {
         self.check_groups(request_id, held.len(), "block counts")?;
+        if let Some(f) = facts {
+            self.check_groups(request_id, f.cached.len(), "cached block counts")?;
+            self.check_groups(request_id, f.retired.len(), "retired block counts")?;
+            self.check_groups(request_id, f.stale_state.len(), "stale state blocks")?;
+            self.check_groups(request_id, f.state_boundary.len(), "state boundaries")?;
+        }
         if held.iter().all(Option::is_none) {
             self.forget(request_id);
             return Ok(());
@@ -253,9 +496,36 @@ impl RunningRequests {
             removed: vec![0; n],
             partial_hit: false,
             lacks: vec![0; n],
+            cached: vec![0; n],
+            stale_state: vec![None; n],
+            partial_done: vec![false; n],
+            state_boundary: vec![0; n],
+            settled: false,
         });
         entry.held.copy_from_slice(held);
         entry.partial_hit = partial_hit;
+        entry.settled = false;
+        if let (Some(c), Some(f)) = (self.cacheable.as_ref(), facts) {
+            entry.settled = f.settled;
+            entry.cached.copy_from_slice(&f.cached);
+            entry.stale_state.copy_from_slice(&f.stale_state);
+            entry.state_boundary.copy_from_slice(&f.state_boundary);
+            for (g, rule) in self.rules.iter().enumerate() {
+                match rule.caching {
+                    Caching::MambaAlign { .. } => entry.removed[g] = f.retired[g],
+                    Caching::Full => {
+                        // The call registered the prompt's partial entry if its
+                        // `cache_blocks` reached the boundary and the block existed.
+                        let boundary = c.partial_boundary(rule, f.prompt_tokens);
+                        let reached = boundary > 0
+                            && boundary <= c.tokens(rule, f.cached_tokens)
+                            && held[g].is_some_and(|h| boundary / rule.block_size < h);
+                        entry.partial_done[g] |= reached;
+                    }
+                    Caching::Off => {}
+                }
+            }
+        }
         recount(
             &self.rules,
             self.room_tokens,
@@ -268,7 +538,8 @@ impl RunningRequests {
     }
 
     /// After vLLM's `remove_skipped_blocks(request_id, processed)`, with the blocks each
-    /// group held then: every block before `min(skipped // block_size, held)` is freed.
+    /// group held then: every block before `min(skipped // block_size, held)` is freed
+    /// (caching groups: the request is no longer settled).
     /// A request the table does not hold yet is left to its next [`Self::sync`] (which
     /// then knows of no freed block: its steps look busier until vLLM's path runs again).
     pub fn note_removed(
@@ -281,6 +552,9 @@ impl RunningRequests {
         let Some(entry) = self.entries.get_mut(request_id) else {
             return Ok(());
         };
+        // What caching managers changed besides is learnt at the next sync; until then
+        // the request's steps take vLLM's path.
+        entry.settled = false;
         for (g, rule) in self.rules.iter().enumerate() {
             let (Some(offset), Some(held)) = (rule.skip_offset, held[g]) else {
                 continue;
@@ -294,10 +568,17 @@ impl RunningRequests {
 
     /// What `allocate_slots` for running request `request_id`, giving it `slots` token
     /// slots in all with `processed` tokens safely computed, would do (see [`StepPlan`]).
-    /// Reads the table only.
+    /// Reads the table only. Caching groups need [`Self::decode_step`].
     pub fn plan_step(&self, request_id: &str, slots: u64, processed: u64) -> StepPlan {
         match self.entries.get(request_id) {
-            Some(entry) if self.quiet_steps => plan_entry(&self.rules, entry, slots, processed),
+            Some(entry) if self.quiet_steps => plan_entry(
+                &self.rules,
+                self.cacheable.as_ref(),
+                entry,
+                slots,
+                processed,
+                None,
+            ),
             _ => StepPlan::VllmPath,
         }
     }
@@ -305,14 +586,28 @@ impl RunningRequests {
     /// [`Self::plan_step`], recounting a quiet step's room at `room_length` (the step's
     /// own bookkeeping; a step that grows is told with [`Self::sync`] once its blocks are
     /// allocated). One lookup of the request: this is the scheduler's hot path.
-    fn step(&mut self, request_id: &str, slots: u64, processed: u64, room_length: u64) -> StepPlan {
+    fn step(
+        &mut self,
+        request_id: &str,
+        slots: u64,
+        processed: u64,
+        room_length: u64,
+        step: Option<&DecodeStep>,
+    ) -> StepPlan {
         if !self.quiet_steps {
             return StepPlan::VllmPath;
         }
         let Some(entry) = self.entries.get_mut(request_id) else {
             return StepPlan::VllmPath;
         };
-        let plan = plan_entry(&self.rules, entry, slots, processed);
+        let plan = plan_entry(
+            &self.rules,
+            self.cacheable.as_ref(),
+            entry,
+            slots,
+            processed,
+            step,
+        );
         if plan == StepPlan::Quiet && self.room_tokens > 0 {
             recount(
                 &self.rules,
@@ -326,7 +621,7 @@ impl RunningRequests {
     }
 
     /// Whether the step ([`Self::plan_step`]) is quiet; if so the request's room is
-    /// recounted at `room_length`.
+    /// recounted at `room_length`. Caching groups need [`Self::decode_step`].
     pub fn quiet_step(
         &mut self,
         request_id: &str,
@@ -334,7 +629,7 @@ impl RunningRequests {
         processed: u64,
         room_length: u64,
     ) -> bool {
-        self.step(request_id, slots, processed, room_length) == StepPlan::Quiet
+        self.step(request_id, slots, processed, room_length, None) == StepPlan::Quiet
     }
 
     /// [`Self::plan_step`] for a decode step given as vLLM's scheduler asks for it; a
@@ -345,6 +640,7 @@ impl RunningRequests {
             step.slots(),
             step.processed(),
             step.room_length(),
+            Some(step),
         )
     }
 
@@ -385,6 +681,8 @@ mod tests {
             extra_slots: 0,
             skip_offset: None,
             room_pool: Some(pool),
+            caching: Caching::Off,
+            use_eagle: false,
         }
     }
 
@@ -394,20 +692,22 @@ mod tests {
             extra_slots: 0,
             skip_offset: Some(offset),
             room_pool: None,
+            caching: Caching::Off,
+            use_eagle: false,
         }
     }
 
     #[test]
     fn a_step_inside_held_blocks_is_quiet_and_one_past_them_is_not() {
-        let mut t = RunningRequests::new(vec![full(16, 0)], true, 0).unwrap();
+        let mut t = RunningRequests::new(vec![full(16, 0)], true, 0, None).unwrap();
         assert!(
             !t.quiet_step("a", 10, 9, 0),
             "unknown requests are never quiet"
         );
-        t.sync("a", &[Some(2)], false, 0).unwrap();
+        t.sync("a", &[Some(2)], false, 0, None).unwrap();
         assert!(t.quiet_step("a", 32, 31, 0));
         assert!(!t.quiet_step("a", 33, 32, 0));
-        t.sync("a", &[Some(2)], true, 0).unwrap();
+        t.sync("a", &[Some(2)], true, 0, None).unwrap();
         assert!(
             !t.quiet_step("a", 20, 19, 0),
             "a pending prefix hit is never quiet"
@@ -419,8 +719,8 @@ mod tests {
     #[test]
     fn window_steps_are_quiet_only_until_a_block_leaves_the_window() {
         // Sliding window of 32 tokens: skipped = processed - 31.
-        let mut t = RunningRequests::new(vec![window(16, 31)], true, 0).unwrap();
-        t.sync("a", &[Some(8)], false, 0).unwrap();
+        let mut t = RunningRequests::new(vec![window(16, 31)], true, 0, None).unwrap();
+        t.sync("a", &[Some(8)], false, 0, None).unwrap();
         // processed 46: 15 skipped, no block leaves.
         assert!(t.quiet_step("a", 100, 46, 0));
         // processed 47: 16 skipped, block 0 leaves, and vLLM has not freed it yet.
@@ -430,7 +730,7 @@ mod tests {
         assert!(!t.quiet_step("a", 100, 63, 0));
         // Freed blocks are capped at those held when vLLM freed them.
         t.note_removed("a", 1000, &[Some(3)]).unwrap();
-        t.sync("a", &[Some(8)], false, 0).unwrap();
+        t.sync("a", &[Some(8)], false, 0, None).unwrap();
         assert!(t.quiet_step("a", 100, 31 + 16 * 3, 0));
         assert!(!t.quiet_step("a", 100, 31 + 16 * 4, 0));
     }
@@ -438,14 +738,15 @@ mod tests {
     #[test]
     fn room_totals_follow_each_request() {
         // Full attention (pool 3) and a Mamba-like state: one block, skipped = processed - 1.
-        let mut t = RunningRequests::new(vec![full(16, 3), window(4096, 1)], true, 40).unwrap();
-        t.sync("a", &[Some(2), Some(1)], false, 20).unwrap(); // needs ceil(60/16)=4: lacks 2
-        t.sync("b", &[Some(1), Some(1)], false, 10).unwrap(); // ceil(50/16)=4: lacks 3
+        let mut t =
+            RunningRequests::new(vec![full(16, 3), window(4096, 1)], true, 40, None).unwrap();
+        t.sync("a", &[Some(2), Some(1)], false, 20, None).unwrap(); // needs ceil(60/16)=4: lacks 2
+        t.sync("b", &[Some(1), Some(1)], false, 10, None).unwrap(); // ceil(50/16)=4: lacks 3
         assert_eq!(t.room_asks(""), vec![(3, 5)]);
         assert_eq!(t.room_asks("a"), vec![(3, 3)]);
         assert!(t.quiet_step("a", 24, 23, 30)); // ceil(70/16)=5: lacks 3
         assert_eq!(t.room_asks("b"), vec![(3, 3)]);
-        t.sync("b", &[None, None], false, 10).unwrap();
+        t.sync("b", &[None, None], false, 10, None).unwrap();
         assert_eq!(t.len(), 1);
         assert_eq!(t.room_asks(""), vec![(3, 3)]);
         t.forget("a");
@@ -456,11 +757,11 @@ mod tests {
 
     #[test]
     fn without_quiet_steps_only_the_room_is_kept() {
-        let mut t = RunningRequests::new(vec![full(16, 0)], false, 16).unwrap();
-        t.sync("a", &[Some(4)], false, 16).unwrap();
+        let mut t = RunningRequests::new(vec![full(16, 0)], false, 16, None).unwrap();
+        t.sync("a", &[Some(4)], false, 16, None).unwrap();
         assert!(!t.quiet_step("a", 17, 16, 16));
         assert_eq!(t.room_asks(""), vec![]);
-        t.sync("a", &[Some(1)], false, 16).unwrap();
+        t.sync("a", &[Some(1)], false, 16, None).unwrap();
         assert_eq!(t.room_asks(""), vec![(0, 1)]);
     }
 
@@ -483,8 +784,8 @@ mod tests {
             ..step
         };
         assert_eq!(resumed.room_length(), 300);
-        let mut t = RunningRequests::new(vec![full(16, 0)], true, 16).unwrap();
-        t.sync("a", &[Some(7)], false, 100).unwrap();
+        let mut t = RunningRequests::new(vec![full(16, 0)], true, 16, None).unwrap();
+        t.sync("a", &[Some(7)], false, 100, None).unwrap();
         assert_eq!(t.decode_step("a", &step), StepPlan::Quiet);
         assert_eq!(
             t.room_asks(""),
@@ -495,33 +796,184 @@ mod tests {
 
     #[test]
     fn a_step_past_held_blocks_grows_only_groups_without_a_window() {
-        let mut t =
-            RunningRequests::new(vec![full(16, 0), window(4096, 1), full(32, 1)], true, 0).unwrap();
-        t.sync("a", &[Some(2), Some(1), Some(1)], false, 0).unwrap();
+        let mut t = RunningRequests::new(
+            vec![full(16, 0), window(4096, 1), full(32, 1)],
+            true,
+            0,
+            None,
+        )
+        .unwrap();
+        t.sync("a", &[Some(2), Some(1), Some(1)], false, 0, None)
+            .unwrap();
         assert_eq!(t.plan_step("a", 32, 31), StepPlan::Quiet);
         assert_eq!(t.plan_step("a", 33, 32), StepPlan::Grow(vec![1, 0, 1]));
         assert_eq!(t.plan_step("a", 50, 49), StepPlan::Grow(vec![2, 0, 1]));
         // The state group would need a second block: vLLM's rules.
         assert_eq!(t.plan_step("a", 4097, 4096), StepPlan::VllmPath);
         // Its window moves (processed 4097: one state block skipped): vLLM's rules.
-        t.sync("a", &[Some(300), Some(1), Some(200)], false, 0)
+        t.sync("a", &[Some(300), Some(1), Some(200)], false, 0, None)
             .unwrap();
         assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::VllmPath);
         t.note_removed("a", 4097, &[Some(300), Some(1), Some(200)])
             .unwrap();
         assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::Quiet);
         assert_eq!(t.plan_step("b", 1, 0), StepPlan::VllmPath);
-        let off = RunningRequests::new(vec![full(16, 0)], false, 0).unwrap();
+        let off = RunningRequests::new(vec![full(16, 0)], false, 0, None).unwrap();
         assert_eq!(off.plan_step("a", 1, 0), StepPlan::VllmPath);
+    }
+
+    fn caching(size: u64, caching: Caching) -> GroupRule {
+        GroupRule {
+            block_size: size,
+            extra_slots: 0,
+            skip_offset: None,
+            room_pool: None,
+            caching,
+            use_eagle: false,
+        }
+    }
+
+    const CACHEABLE: Cacheable = Cacheable {
+        hash_block_size: 16,
+        hybrid_align: Some(1),
+        reprefillable: 0,
+    };
+
+    fn decode(computed: u64, prompt_tokens: u64) -> DecodeStep {
+        DecodeStep {
+            computed,
+            new_tokens: 1,
+            lookahead: 0,
+            in_flight: 0,
+            prompt_tokens,
+            num_tokens: computed + 1,
+            max_model_len: 4096,
+        }
+    }
+
+    fn facts(cached: u64, retired: u64, stale: Option<u64>, cached_tokens: u64) -> CacheFacts {
+        CacheFacts {
+            cached: vec![cached],
+            retired: vec![retired],
+            stale_state: vec![stale],
+            // Prompt 100: its state is kept at 96 tokens.
+            state_boundary: vec![96],
+            settled: true,
+            cached_tokens,
+            prompt_tokens: 100,
+        }
+    }
+
+    #[test]
+    fn caching_full_attention_is_quiet_until_a_block_fills() {
+        let rule = caching(64, Caching::Full);
+        assert!(RunningRequests::new(vec![rule.clone()], true, 0, None).is_err());
+        let mut t = RunningRequests::new(vec![rule], true, 0, Some(CACHEABLE)).unwrap();
+        // Prompt 100: its partial entry is at 96 tokens, inside block 1.
+        assert_eq!(CACHEABLE.partial_boundary(&t.rules[0], 100), 96);
+        t.sync("a", &[Some(2)], false, 0, Some(&facts(1, 0, None, 90)))
+            .unwrap();
+        assert_eq!(
+            t.decode_step("a", &decode(101, 100)),
+            StepPlan::VllmPath,
+            "the partial entry is not registered yet"
+        );
+        t.sync("a", &[Some(2)], false, 0, Some(&facts(1, 0, None, 101)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(101, 100)), StepPlan::Quiet);
+        assert_eq!(t.decode_step("a", &decode(126, 100)), StepPlan::Quiet);
+        assert_eq!(
+            t.decode_step("a", &decode(127, 100)),
+            StepPlan::VllmPath,
+            "block 1 fills: vLLM caches it"
+        );
+        assert_eq!(
+            t.decode_step("a", &decode(90, 100)),
+            StepPlan::VllmPath,
+            "a prefill chunk"
+        );
+        // Grows are vLLM's too (a block fills as the next starts).
+        t.sync("a", &[Some(2)], false, 0, Some(&facts(2, 0, None, 128)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(128, 100)), StepPlan::VllmPath);
+        // Without facts (or unsettled), never quiet.
+        t.sync("a", &[Some(3)], false, 0, None).unwrap();
+        assert_eq!(t.decode_step("a", &decode(130, 100)), StepPlan::VllmPath);
+        let mut unsettled = facts(2, 0, None, 130);
+        unsettled.settled = false;
+        t.sync("a", &[Some(3)], false, 0, Some(&unsettled)).unwrap();
+        assert_eq!(t.decode_step("a", &decode(130, 100)), StepPlan::VllmPath);
+        t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 0, None, 130)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(130, 100)), StepPlan::Quiet);
+        assert_eq!(
+            t.plan_step("a", 131, 130),
+            StepPlan::VllmPath,
+            "caching groups need the whole step"
+        );
+    }
+
+    #[test]
+    fn align_state_steps_are_quiet_between_blocks_and_hash_boundaries() {
+        let rule = caching(
+            64,
+            Caching::MambaAlign {
+                speculative_blocks: 0,
+            },
+        );
+        let mut t = RunningRequests::new(vec![rule], true, 0, Some(CACHEABLE)).unwrap();
+        // Three blocks, the state in block 2; block 1 (two steps ago) not freed yet.
+        t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 1, Some(1), 150)))
+            .unwrap();
+        assert_eq!(
+            t.decode_step("a", &decode(150, 100)),
+            StepPlan::VllmPath,
+            "the stale state is freed, and block 1 retired"
+        );
+        t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, None, 151)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(150, 100)), StepPlan::Quiet);
+        assert_eq!(
+            t.decode_step("a", &decode(159, 100)),
+            StepPlan::Quiet,
+            "160 tokens: a hash boundary past the prompt's"
+        );
+        let mut boundary = facts(2, 2, None, 151);
+        boundary.state_boundary = vec![160];
+        t.sync("a", &[Some(3)], false, 0, Some(&boundary)).unwrap();
+        assert_eq!(
+            t.decode_step("a", &decode(159, 100)),
+            StepPlan::VllmPath,
+            "the prompt's state boundary: vLLM keeps the state there"
+        );
+        t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, None, 151)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(190, 100)), StepPlan::Quiet);
+        assert_eq!(
+            t.decode_step("a", &decode(191, 100)),
+            StepPlan::VllmPath,
+            "192: block 2 fills, block 3 starts"
+        );
+        let mut drafts = decode(150, 100);
+        drafts.lookahead = 40;
+        assert_eq!(
+            t.decode_step("a", &drafts),
+            StepPlan::Quiet,
+            "lookahead slots take no 'align' block"
+        );
+        drafts.new_tokens = 140;
+        assert_eq!(t.decode_step("a", &drafts), StepPlan::VllmPath);
     }
 
     #[test]
     fn bad_input_changes_nothing() {
-        assert!(RunningRequests::new(vec![full(0, 0)], true, 0).is_err());
-        let mut t = RunningRequests::new(vec![full(16, 0)], true, 16).unwrap();
-        t.sync("a", &[Some(1)], false, 16).unwrap();
+        assert!(RunningRequests::new(vec![full(0, 0)], true, 0, None).is_err());
+        let mut t = RunningRequests::new(vec![full(16, 0)], true, 16, None).unwrap();
+        t.sync("a", &[Some(1)], false, 16, None).unwrap();
         let before = t.room_asks("");
-        let err = t.sync("a", &[Some(1), Some(2)], false, 16).unwrap_err();
+        let err = t
+            .sync("a", &[Some(1), Some(2)], false, 16, None)
+            .unwrap_err();
         assert!(err.to_string().contains("request a"), "{err}");
         assert!(t.note_removed("a", 5, &[]).is_err());
         assert_eq!(t.room_asks(""), before);

@@ -42,9 +42,10 @@ LAYOUTS: dict[str, list[Any]] = {
 }
 
 
-SLABS = {"full+wide+mamba_none": 5}
-"""Elastic budgets in slabs where not 24: about as many bytes as the others' (its slab, the
-least common multiple of three page sizes, is eight times theirs), so that it preempts."""
+SLABS = {"full+wide+mamba_none": 5, "full+mamba_none": 16}
+"""Elastic budgets in slabs where not 24, so that every layout preempts: two full-attention
+pools get about as many bytes as the others' (their slab, the least common multiple of
+three page sizes, is eight times theirs); full attention beside one Mamba state, fewer."""
 
 ROOM = 48
 """Elastic pools' decode room here (`PerGroupPoolsMixin._decode_room_asks`)."""
@@ -200,7 +201,7 @@ def drive(twins: Twins, seed: int, steps: int) -> None:
                 twins.each(rid, lambda r: setattr(r, "status", RequestStatus.FINISHED_STOPPED))
         if rng.random() < 0.35:
             n += 1
-            rid = f"r{n}"
+            rid = f"s{seed}-r{n}"
             tokens = [rng.randrange(1, 5000) for _ in range(rng.randint(8, 300))]
             twins.reqs[rid] = [new_request(rid, tokens, 200), new_request(rid, tokens, 200)]
             twins.outputs[rid] = 0
@@ -248,10 +249,10 @@ def test_quiet_steps_change_nothing(layout: str, elastic: bool) -> None:
 
 
 def test_quiet_steps_need_known_rules() -> None:
-    """Managers whose rules the check does not model, or that cache blocks, get no check:
-    every call takes vLLM's path."""
+    """Managers whose rules the check does not model get no check: every call takes
+    vLLM's path. (Caching full attention and Mamba 'align': test_quiet_steps_caching.py.)"""
     assert build([attn(), state_mamba("none")], True, quiet=True).coordinator._quiet_check
     from tests.helpers import PER_GROUP_LAYOUTS
 
-    align = per_group_manager(per_group_config(PER_GROUP_LAYOUTS["full+mamba_align"], [40, 40]))
-    assert align.coordinator._quiet_check is None
+    swa = per_group_manager(per_group_config(PER_GROUP_LAYOUTS["full+swa+mamba_align"], [40] * 3))
+    assert swa.coordinator._quiet_check is None, "a caching sliding window is not modelled"

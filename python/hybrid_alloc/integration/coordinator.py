@@ -44,10 +44,12 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.request import RequestStatus
 
+from hybrid_alloc._native import NativeRunningRequests
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.pool_set import PoolSet
 from hybrid_alloc.integration.quiet_step import (
     blocks_held,
+    cache_facts,
     has_partial_hit,
     running_requests_table,
 )
@@ -91,7 +93,96 @@ def uncounted_loaded_blocks(
     return max(0, -(-total_computed_tokens // manager.block_size) - held)
 
 
-class PerGroupPoolsMixin:
+class RunningTableMixin:
+    """The running requests' table in Rust (`quiet_step`) on a coordinator: quiet decode
+    steps (`_quiet_check`, None where no step can be quiet) and the decode room. Told
+    after every call that changes a request's blocks (`_sync_running` after vLLM's
+    ``allocate_slots``, `remove_skipped_blocks`, `free`); kept only where one of the
+    two is used. Mixed in before vLLM's class."""
+
+    single_type_managers: tuple[Any, ...]
+
+    def _init_running_table(self, room_pools: dict[int, int], room_tokens: int) -> None:
+        running = running_requests_table(self, room_pools, room_tokens, QUIET_STEPS)
+        self._running: NativeRunningRequests | None = (
+            running if running.quiet_steps or room_tokens else None
+        )
+        self._quiet_check: NativeRunningRequests | None = running if running.quiet_steps else None
+        managers = self.single_type_managers
+        self._windowed = self._quiet_check is not None and any(
+            not isinstance(m, FullAttentionManager) for m in managers
+        )
+        # Whether the table learns what caching managers hold of a request at each sync.
+        self._caching_table = self._quiet_check is not None and any(
+            getattr(m, "enable_caching", False) for m in managers
+        )
+
+    def _sync_running(self, request: Any, length: int, cached_tokens: int = 0) -> None:
+        """Tell the running-requests table the blocks ``request`` holds now, after
+        vLLM's ``allocate_slots`` for it, and recount its room at ``length`` tokens
+        (caching managers: what they hold of it, the call having cached at least
+        ``cached_tokens`` tokens). A request's blocks change only in its own
+        ``allocate_slots`` (where this runs), in `remove_skipped_blocks` and when it is
+        freed (`free`), so the table answers as walking the managers would, at one
+        request's cost."""
+        running = self._running
+        if running is not None:
+            managers = self.single_type_managers
+            request_id = request.request_id
+            facts = None
+            if self._caching_table:
+                facts = cache_facts(managers, request_id, cached_tokens, request.num_prompt_tokens)
+            running.sync(
+                request_id,
+                blocks_held(managers, request_id),
+                self._quiet_check is not None and has_partial_hit(managers, request_id),
+                length,
+                facts,
+            )
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, *args: Any, **kwargs: Any
+    ) -> None:
+        """vLLM's; the table learns which window blocks are freed (quiet steps)."""
+        super().remove_skipped_blocks(  # type: ignore[misc]
+            request_id, processed_computed_tokens, *args, **kwargs
+        )
+        if self._windowed and self._running is not None:
+            self._running.note_removed(
+                request_id,
+                max(0, processed_computed_tokens),
+                blocks_held(self.single_type_managers, request_id),
+            )
+
+    def _forget_running(self, request_id: str) -> None:
+        if self._running is not None:
+            self._running.forget(request_id)
+
+    def free(self, request_id: str) -> None:
+        """vLLM's; the request leaves the running-requests table with its blocks."""
+        self._forget_running(request_id)
+        super().free(request_id)  # type: ignore[misc]
+
+    def pop_blocks_for_free(self, request_id: str) -> Any:
+        """vLLM's (a free the scheduler defers while a step may still write the blocks);
+        the request leaves the running-requests table with its blocks."""
+        self._forget_running(request_id)
+        return super().pop_blocks_for_free(request_id)  # type: ignore[misc]
+
+
+class SharedPoolHybridKVCacheCoordinator(RunningTableMixin, HybridKVCacheCoordinator):
+    """vLLM's own hybrid coordinator over vLLM's layout (one shared pool: the engine keeps
+    it in 'align' mode where vLLM raises the block size), with the running requests'
+    table: a decode step that changes nothing in any manager (no block taken, freed,
+    cached or checkpointed; `quiet_step`) returns vLLM's empty answer without walking
+    them. Everything else is vLLM's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_running_table({}, 0)
+
+
+class PerGroupPoolsMixin(RunningTableMixin):
     """What the per-group coordinators add to vLLM's; mixed in before vLLM's class."""
 
     pool_set: PoolSet
@@ -148,18 +239,7 @@ class PerGroupPoolsMixin:
             (self.single_type_managers[gid], self.single_type_managers[gid].block_size, pool)
             for gid, pool in room_pools.items()
         ]
-        # The running requests' blocks per group, in Rust (`quiet_step`): quiet decode
-        # steps (`_quiet_check`, None where no step can be quiet) and the decode room.
-        # Told after every call that changes a request's blocks (`_sync_running`,
-        # `remove_skipped_blocks`, `free`); kept only where one of the two is used.
-        running = running_requests_table(
-            self.single_type_managers, room_pools, self._decode_room_tokens, QUIET_STEPS
-        )
-        self._running = running if running.quiet_steps or self._decode_room_tokens else None
-        self._quiet_check = running if running.quiet_steps else None
-        self._windowed = self._quiet_check is not None and any(
-            not isinstance(m, FullAttentionManager) for m in self.single_type_managers
-        )
+        self._init_running_table(room_pools, self._decode_room_tokens)
         # Reservation queries since the last `allocate_slots`: vLLM's scheduler asks what
         # each in-flight prefill still needs just before it admits an async load; per
         # request, (pool, pages) in the managers' order and the count answered.
@@ -376,36 +456,6 @@ class PerGroupPoolsMixin:
             return []
         return self._running.room_asks(request_id)
 
-    def _sync_running(self, request_id: str, length: int) -> None:
-        """Tell the running-requests table the blocks ``request_id`` holds now, after
-        vLLM's ``allocate_slots`` for it, and recount its room at ``length`` tokens. A
-        request's blocks change only in its own ``allocate_slots`` (where this runs),
-        in `remove_skipped_blocks` and when it is freed (`free`), so the table answers
-        as walking the managers would, at one request's cost."""
-        running = self._running
-        if running is not None:
-            managers = self.single_type_managers
-            running.sync(
-                request_id,
-                blocks_held(managers, request_id),
-                self._quiet_check is not None and has_partial_hit(managers, request_id),
-                length,
-            )
-
-    def remove_skipped_blocks(
-        self, request_id: str, processed_computed_tokens: int, *args: Any, **kwargs: Any
-    ) -> None:
-        """vLLM's; the table learns which window blocks are freed (quiet steps)."""
-        super().remove_skipped_blocks(  # type: ignore[misc]
-            request_id, processed_computed_tokens, *args, **kwargs
-        )
-        if self._windowed and self._running is not None:
-            self._running.note_removed(
-                request_id,
-                max(0, processed_computed_tokens),
-                blocks_held(self.single_type_managers, request_id),
-            )
-
     def _grow_decode_step(
         self, kv_manager: Any, request: Any, num_new: int, lookahead: int, needs: Sequence[int]
     ) -> Any:
@@ -452,23 +502,8 @@ class PerGroupPoolsMixin:
             self._end_step()
             if blocks is not None:
                 room = _room_length(request, num_new) if self._decode_room_tokens else 0
-                self._sync_running(request_id, room)
+                self._sync_running(request, room)
         return kv_manager.create_kv_cache_blocks(blocks)
-
-    def _forget_running(self, request_id: str) -> None:
-        if self._running is not None:
-            self._running.forget(request_id)
-
-    def free(self, request_id: str) -> None:
-        """vLLM's; the request leaves the running-requests table with its blocks."""
-        self._forget_running(request_id)
-        super().free(request_id)  # type: ignore[misc]
-
-    def pop_blocks_for_free(self, request_id: str) -> Any:
-        """vLLM's (a free the scheduler defers while a step may still write the blocks);
-        the request leaves the running-requests table with its blocks."""
-        self._forget_running(request_id)
-        return super().pop_blocks_for_free(request_id)  # type: ignore[misc]
 
     def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
         """What an in-flight prefill still needs, in vLLM's units: primary-pool pages of
@@ -679,6 +714,25 @@ def get_kv_cache_coordinator(
         not isinstance(kv_cache_config, PerGroupKVCacheConfig)
         or len(kv_cache_config.kv_cache_groups) < 2
     ):
+        if enable_caching and len(kv_cache_config.kv_cache_groups) > 1:
+            # vLLM's layout, where vLLM's factory builds its hybrid coordinator: the
+            # same class with the running requests' table, built with the same arguments.
+            return SharedPoolHybridKVCacheCoordinator(
+                kv_cache_config,
+                max_model_len,
+                max_in_flight_tokens,
+                use_eagle,
+                enable_caching,
+                enable_kv_cache_events,
+                dcp_world_size=dcp_world_size,
+                pcp_world_size=pcp_world_size,
+                scheduler_block_size=scheduler_block_size,
+                hash_block_size=hash_block_size,
+                metrics_collector=metrics_collector,
+                num_prefill_lookahead=num_prefill_lookahead,
+                allow_partial_hash_hits=allow_partial_hash_hits,
+                **extra,
+            )
         return _stock_get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
@@ -751,9 +805,10 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     sees no reservation (it would compare pages of several pools, and slabs, as one
     number)."""
     coordinator = self.coordinator
-    if not isinstance(coordinator, PerGroupPoolsMixin):
+    if not isinstance(coordinator, RunningTableMixin):
         return _stock_allocate_slots(self, request, *args, **kwargs)
     quiet = coordinator._quiet_check
+    per_group = isinstance(coordinator, PerGroupPoolsMixin)
     if (
         quiet is not None
         and len(args) == 1
@@ -777,27 +832,47 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
             self.max_model_len,
         )
         if needs is not None:
-            if needs:
+            if not needs:
+                if per_group and coordinator._reservation_queries:
+                    # As after any `allocate_slots` (below): the queries were for this step.
+                    coordinator._reservation_queries.clear()
+                return self.empty_kv_cache_blocks
+            if per_group:
+                # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(self, request, args[0], lookahead, needs)
-            if coordinator._reservation_queries:
-                # As after any `allocate_slots` (below): the queries were for this step.
-                coordinator._reservation_queries.clear()
-            return self.empty_kv_cache_blocks
     num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
-    if coordinator.pool_set.elastic is None:
-        if coordinator._running is None:
-            return _stock_allocate_slots(self, request, *args, **kwargs)
-        try:
-            return _stock_allocate_slots(self, request, *args, **kwargs)
-        finally:
-            coordinator._sync_running(request.request_id, 0)
-    args_list = list(args)
-    loading = bool(
+    # The tokens this call caches at least, if it succeeds (caching tables learn from
+    # it whether the prompt's partial entry is registered): `allocate_slots` caches
+    # `min(computed + hits + new, num_tokens)`, none if its caching is delayed.
+    delayed = bool(
         kwargs.get(
             "delay_cache_blocks",
             args[_DELAY_CACHE_BLOCKS_ARG] if len(args) > _DELAY_CACHE_BLOCKS_ARG else False,
         )
     )
+    caches = 0
+    if not delayed:
+        caches = min(
+            min(request.num_computed_tokens, self.max_model_len) + num_new, request.num_tokens
+        )
+    if not per_group:
+        result = None
+        try:
+            result = _stock_allocate_slots(self, request, *args, **kwargs)
+            return result
+        finally:
+            coordinator._sync_running(request, 0, caches if result is not None else 0)
+    if coordinator.pool_set.elastic is None:
+        if coordinator._running is None:
+            return _stock_allocate_slots(self, request, *args, **kwargs)
+        result = None
+        try:
+            result = _stock_allocate_slots(self, request, *args, **kwargs)
+            return result
+        finally:
+            coordinator._sync_running(request, 0, caches if result is not None else 0)
+    args_list = list(args)
+    loading = delayed
     reserved = 0
     if "reserved_blocks" in kwargs:
         reserved = int(kwargs["reserved_blocks"])
@@ -815,10 +890,12 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         coordinator._admitting = bool(
             kwargs.get("has_scheduled_reqs", True)
         ) and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    result = None
     try:
-        return _stock_allocate_slots(self, request, *args_list, **kwargs)
+        result = _stock_allocate_slots(self, request, *args_list, **kwargs)
+        return result
     finally:
-        coordinator._sync_running(request.request_id, length)
+        coordinator._sync_running(request, length, caches if result is not None else 0)
         coordinator._allocating = None
         coordinator._admitting = False
         coordinator._load_reserved_blocks = 0

@@ -38,16 +38,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.single_type_kv_cache_manager import (
     FullAttentionManager,
     MambaManager,
     SlidingWindowManager,
 )
+from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybrid_alloc._native import NativeRunningRequests
 
 GroupRule = tuple[int, int, int | None, int | None]
 """(block size, extra slots, skip offset or None, room pool or None) per group."""
+
+CachingRule = tuple[str, int, bool]
+"""Per group: ("" caches nothing, "full" full attention, "align" Mamba 'align' mode),
+speculative blocks ('align'), whether the manager keeps EAGLE's block."""
+
+CacheFacts = tuple[list[int], list[int], list[int | None], list[int], bool, int, int]
+"""What `NativeRunningRequests.sync` learns of a request from caching managers."""
 
 _SKIP_PROBES = (0, 1, 2, 3, 15, 16, 17, 100, 4097, 1 << 20)
 
@@ -65,42 +74,146 @@ def _skip_offset(manager: Any, offset: int) -> int | None:
     return offset
 
 
+def _caching_rule(manager: Any) -> CachingRule | None:
+    """The caching rule of a manager that caches blocks, None where it is not modelled."""
+    if not manager.kv_cache_spec.prefix_cacheable:
+        return None
+    eagle = bool(getattr(manager, "use_eagle", False))
+    if type(manager) is FullAttentionManager:
+        return ("full", 0, eagle)
+    if type(manager) is MambaManager and manager.mamba_cache_mode == "align":
+        return ("align", int(manager.num_speculative_blocks), eagle)
+    return None
+
+
 def group_rules(
     managers: Sequence[Any], room_pools: dict[int, int]
-) -> tuple[list[GroupRule], bool]:
-    """Per manager its rule, and whether every manager's rules are modelled (so steps
-    can be quiet). ``room_pools``: group -> pool for the groups that keep decode room."""
+) -> tuple[list[GroupRule], list[CachingRule], bool]:
+    """Per manager its rule and (prefix caching on) its caching rule, and whether every
+    manager's rules are modelled (so steps can be quiet). ``room_pools``: group -> pool
+    for the groups that keep decode room."""
     rules: list[GroupRule] = []
+    caching: list[CachingRule] = []
     known = True
     for gid, manager in enumerate(managers):
         kind = type(manager)
-        if getattr(manager, "enable_caching", True):
-            known = False
         extra = 0
         skip: int | None = None
-        if kind is FullAttentionManager:
-            pass
-        elif kind is SlidingWindowManager:
-            offset = manager.sliding_window - 1 + int(getattr(manager, "extra_retained_tokens", 0))
-            skip = _skip_offset(manager, offset)
-            known = known and skip is not None
-        elif kind is MambaManager and getattr(manager, "mamba_cache_mode", None) != "align":
-            extra = manager.block_size * int(getattr(manager, "num_speculative_blocks", 0))
-            skip = _skip_offset(manager, 1)
-            known = known and skip is not None
+        if getattr(manager, "enable_caching", True):
+            rule = _caching_rule(manager)
+            known = known and rule is not None
+            caching.append(rule or ("", 0, False))
         else:
-            known = False
+            caching.append(("", 0, False))
+            if kind is FullAttentionManager:
+                pass
+            elif kind is SlidingWindowManager:
+                offset = (
+                    manager.sliding_window - 1 + int(getattr(manager, "extra_retained_tokens", 0))
+                )
+                skip = _skip_offset(manager, offset)
+                known = known and skip is not None
+            elif kind is MambaManager and manager.mamba_cache_mode != "align":
+                extra = manager.block_size * int(getattr(manager, "num_speculative_blocks", 0))
+                skip = _skip_offset(manager, 1)
+                known = known and skip is not None
+            else:
+                known = False
         rules.append((manager.block_size, extra, skip, room_pools.get(gid)))
-    return rules, known and bool(rules)
+    return rules, caching, known and bool(rules)
+
+
+_CACHEABLE_PROBES = (0, 1, 15, 16, 17, 100, 543, 544, 1000, 1088, 4097, 65536)
+
+
+def _cacheable_rule(coordinator: Any) -> tuple[int, int | None, int] | None:
+    """The coordinator's `get_num_cacheable_tokens` as the table's rule: (hash block
+    size, rounding (None: vLLM's base rule), reprefillable tokens); None if unknown."""
+    if not isinstance(coordinator, HybridKVCacheCoordinator):
+        return None
+    align = 1 if coordinator.enable_partial_hash_hits else coordinator.scheduler_block_size
+    return (
+        int(coordinator.hash_block_size),
+        int(align),
+        int(getattr(coordinator, "num_reprefillable_tokens", 0)),
+    )
 
 
 def running_requests_table(
-    managers: Sequence[Any], room_pools: dict[int, int], room_tokens: int, quiet_steps: bool
+    coordinator: Any, room_pools: dict[int, int], room_tokens: int, quiet_steps: bool
 ) -> NativeRunningRequests:
-    """The table for these managers; quiet steps only where asked for and modelled."""
-    rules, known = group_rules(managers, room_pools)
-    return NativeRunningRequests(
-        rules, quiet_steps and known, room_tokens, label="per-group coordinator"
+    """The table for this coordinator's managers; quiet steps only where asked for and
+    modelled. A caching coordinator's rule is checked on its own
+    ``get_num_cacheable_tokens`` (a vLLM that counts otherwise gets no quiet steps)."""
+    managers = coordinator.single_type_managers
+    rules, caching, known = group_rules(managers, room_pools)
+    caches = any(kind for kind, _, _ in caching)
+    cacheable = _cacheable_rule(coordinator) if caches else None
+    label = "running requests"
+    if caches and cacheable is None:
+        known = False
+    if not (caches and known):
+        return NativeRunningRequests(rules, quiet_steps and known, room_tokens, label=label)
+    table = NativeRunningRequests(
+        rules, quiet_steps, room_tokens, label=label, caching=caching, cacheable=cacheable
+    )
+    for gid in range(len(managers)):
+        for tokens in _CACHEABLE_PROBES:
+            if table.cacheable_tokens(gid, tokens) != coordinator.get_num_cacheable_tokens(
+                tokens, gid
+            ):
+                return NativeRunningRequests(rules, False, room_tokens, label=label)
+    return table
+
+
+def cache_facts(
+    managers: Sequence[Any], request_id: str, cached_tokens: int, prompt_tokens: int
+) -> CacheFacts:
+    """What caching managers hold of ``request_id`` after vLLM's ``allocate_slots`` for
+    it (`CacheFacts` in rust/src/running.rs): blocks cached, Mamba 'align' blocks
+    retired, the state block of two steps ago still to be freed, and whether every
+    'align' manager has allocated for it and holds no checkpoint."""
+    cached: list[int] = []
+    retired: list[int] = []
+    stale: list[int | None] = []
+    boundary: list[int] = []
+    settled = True
+    for m in managers:
+        cached.append(m.num_cached_block.get(request_id, 0))
+        if type(m) is MambaManager and m.mamba_cache_mode == "align":
+            blocks = m.req_to_blocks.get(request_id, ())
+            kept_at = _state_boundary(m, prompt_tokens)
+            kept_index = -(-kept_at // m.block_size) - 1
+            if kept_at and 0 <= kept_index < len(blocks) and blocks[kept_index].is_null:
+                # Its state block is freed: vLLM's `cache_blocks` skips it there.
+                kept_at = 0
+            boundary.append(kept_at)
+            retired.append(m._num_retired_blocks.get(request_id, 0))
+            index = m.last_state_block_idx.get(request_id)
+            live = index is not None and index < len(blocks) and not blocks[index].is_null
+            stale.append(index if live else None)
+            settled = (
+                settled
+                and request_id in m._allocated_block_reqs
+                and request_id not in m._checkpoints
+            )
+        else:
+            boundary.append(0)
+            retired.append(0)
+            stale.append(None)
+    return cached, retired, stale, boundary, settled, cached_tokens, prompt_tokens
+
+
+def _state_boundary(manager: Any, prompt_tokens: int) -> int:
+    """Where a Mamba 'align' manager keeps the prompt's state as a partial entry: vLLM's
+    own `get_mamba_prefill_checkpoint_position`, as its ``cache_blocks`` calls it."""
+    pool = manager.block_pool
+    lookahead = int(getattr(pool, "num_hash_lookahead_tokens", 0) or 0)
+    extra = {"num_hash_lookahead_tokens": lookahead} if lookahead else {}
+    return int(
+        get_mamba_prefill_checkpoint_position(
+            prompt_tokens, pool.hash_block_size, manager.drop_eagle_checkpoint_block, **extra
+        )
     )
 
 

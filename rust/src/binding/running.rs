@@ -5,7 +5,9 @@
 
 use super::convert::{pool_error, saturating_int};
 use crate::error::PoolError;
-use crate::running::{DecodeStep, GroupRule, RunningRequests, StepPlan};
+use crate::running::{
+    CacheFacts, Cacheable, Caching, DecodeStep, GroupRule, RunningRequests, StepPlan,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -15,6 +17,17 @@ pub struct NativeRunningRequests {
     table: RunningRequests,
     label: String,
 }
+
+/// `CacheFacts` as Python passes them (see `NativeRunningRequests::sync`).
+type FactsTuple<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    bool,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+);
 
 /// A count the caller passes (tokens, blocks): a non-negative int.
 fn count(label: &str, request_id: &str, what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -40,6 +53,31 @@ impl NativeRunningRequests {
         Ok(out)
     }
 
+    fn counts(&self, request_id: &str, what: &str, items: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        items
+            .try_iter()?
+            .map(|item| count(&self.label, request_id, what, &item?))
+            .collect()
+    }
+
+    /// `(cached, retired, stale_state, state_boundary, settled, cached_tokens,
+    /// prompt_tokens)` as [`CacheFacts`].
+    fn facts(&self, request_id: &str, facts: &Bound<'_, PyAny>) -> PyResult<CacheFacts> {
+        let (cached, retired, stale, boundary, settled, cached_tokens, prompt_tokens): FactsTuple<
+            '_,
+        > = facts.extract()?;
+        let label = &self.label;
+        Ok(CacheFacts {
+            cached: self.counts(request_id, "cached block count", &cached)?,
+            retired: self.counts(request_id, "retired block count", &retired)?,
+            stale_state: self.held(request_id, &stale)?,
+            state_boundary: self.counts(request_id, "state boundary", &boundary)?,
+            settled,
+            cached_tokens: count(label, request_id, "cached tokens", &cached_tokens)?,
+            prompt_tokens: count(label, request_id, "prompt tokens", &prompt_tokens)?,
+        })
+    }
+
     fn error(&self, e: PoolError) -> PyErr {
         pool_error(&self.label, e)
     }
@@ -49,26 +87,62 @@ impl NativeRunningRequests {
 impl NativeRunningRequests {
     /// `rules`: per KV-cache group, `(block_size, extra_slots, skip_offset, room_pool)`
     /// (the last two `None` where the group never skips tokens / keeps no room).
+    /// `caching` (prefix caching on): per group `(kind, speculative_blocks, use_eagle)`,
+    /// kind `""` (caches nothing), `"full"` (full attention) or `"align"` (Mamba 'align'
+    /// mode); `cacheable`: the coordinator's `(hash_block_size, hybrid_align,
+    /// reprefillable)` (`hybrid_align` `None`: vLLM's base rule; 1: no rounding).
     #[new]
-    #[pyo3(signature = (rules, quiet_steps, room_tokens, label = "running requests".to_owned()))]
+    #[pyo3(signature = (
+        rules, quiet_steps, room_tokens, label = "running requests".to_owned(),
+        caching = None, cacheable = None,
+    ))]
     fn new(
         rules: Vec<(u64, u64, Option<u64>, Option<usize>)>,
         quiet_steps: bool,
         room_tokens: u64,
         label: String,
+        caching: Option<Vec<(String, u64, bool)>>,
+        cacheable: Option<(u64, Option<u64>, u64)>,
     ) -> PyResult<Self> {
-        let rules = rules
-            .into_iter()
-            .map(
-                |(block_size, extra_slots, skip_offset, room_pool)| GroupRule {
-                    block_size,
-                    extra_slots,
-                    skip_offset,
-                    room_pool,
-                },
-            )
-            .collect();
-        let table = RunningRequests::new(rules, quiet_steps, room_tokens)
+        let caching = caching.unwrap_or_default();
+        if !caching.is_empty() && caching.len() != rules.len() {
+            return Err(PyValueError::new_err(format!(
+                "{label}: {} caching rules for {} groups",
+                caching.len(),
+                rules.len()
+            )));
+        }
+        let mut group_rules = Vec::with_capacity(rules.len());
+        for (g, (block_size, extra_slots, skip_offset, room_pool)) in rules.into_iter().enumerate()
+        {
+            let (kind, speculative_blocks, use_eagle) = caching
+                .get(g)
+                .map_or(("", 0, false), |(k, s, e)| (k.as_str(), *s, *e));
+            let caching = match kind {
+                "" => Caching::Off,
+                "full" => Caching::Full,
+                "align" => Caching::MambaAlign { speculative_blocks },
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "{label}: group {g}: unknown caching kind {other:?}"
+                    )))
+                }
+            };
+            group_rules.push(GroupRule {
+                block_size,
+                extra_slots,
+                skip_offset,
+                room_pool,
+                caching,
+                use_eagle,
+            });
+        }
+        let cacheable = cacheable.map(|(hash_block_size, hybrid_align, reprefillable)| Cacheable {
+            hash_block_size,
+            hybrid_align,
+            reprefillable,
+        });
+        let table = RunningRequests::new(group_rules, quiet_steps, room_tokens, cacheable)
             .map_err(|e| pool_error(&label, e))?;
         Ok(Self { table, label })
     }
@@ -90,17 +164,31 @@ impl NativeRunningRequests {
         self.table.contains(request_id)
     }
 
+    /// `facts`: what caching managers hold of the request, `(cached, retired,
+    /// stale_state, state_boundary, settled, cached_tokens, prompt_tokens)` (see `CacheFacts` in
+    /// rust/src/running.rs); `None`: its steps take vLLM's path until a sync brings them.
+    #[pyo3(signature = (request_id, held, partial_hit, room_length, facts = None))]
     fn sync(
         &mut self,
         request_id: &str,
         held: &Bound<'_, PyAny>,
         partial_hit: bool,
         room_length: &Bound<'_, PyAny>,
+        facts: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let held = self.held(request_id, held)?;
         let length = count(&self.label, request_id, "room length", room_length)?;
+        let facts = facts.map(|f| self.facts(request_id, f)).transpose()?;
         self.table
-            .sync(request_id, &held, partial_hit, length)
+            .sync(request_id, &held, partial_hit, length, facts.as_ref())
+            .map_err(|e| self.error(e))
+    }
+
+    /// The tokens the coordinator's `cache_blocks` hands group `group`'s manager when it
+    /// caches `tokens` (checked against vLLM's own rule when the table is built).
+    fn cacheable_tokens(&self, group: usize, tokens: u64) -> PyResult<Option<u64>> {
+        self.table
+            .cacheable_tokens(group, tokens)
             .map_err(|e| self.error(e))
     }
 
