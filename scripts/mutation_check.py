@@ -220,8 +220,9 @@ MUTANTS = (
         "rust/src/running.rs",
         "                if stale.saturating_add(1) < processed.div_ceil(size) {\n",
         "                if stale.saturating_add(1) < processed.div_ceil(size) && size == 0 {\n",
-        # test_caching_quiet_steps_change_nothing: free blocks and manager state differ.
-        ("tests/manager/test_quiet_steps_caching.py",),
+        # In vLLM's flow the retired blocks' rule fires on the same steps; the core's test
+        # holds the guard to vLLM's own rule.
+        ("cargo:running::tests::align_state",),
     ),
 )
 

@@ -930,6 +930,11 @@ mod tests {
             StepPlan::VllmPath,
             "the stale state is freed, and block 1 retired"
         );
+        // Block 1 below the retired ones but not freed (vLLM frees the state of two steps
+        // ago by its index, whatever the retired count says).
+        t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, Some(1), 151)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(150, 100)), StepPlan::VllmPath);
         t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, None, 151)))
             .unwrap();
         assert_eq!(t.decode_step("a", &decode(150, 100)), StepPlan::Quiet);
