@@ -18,8 +18,10 @@ meaning for the pool that matters to the watermark, and the others are exact che
 
 Install with :func:`install` (idempotent): vLLM's `KVCacheManager` looks up
 ``get_kv_cache_coordinator`` in its module when it builds its coordinator; the wrapper
-builds a per-group coordinator only for a :class:`PerGroupKVCacheConfig`, anything else
-gets vLLM's coordinator unchanged.
+builds a per-group coordinator only for a :class:`PerGroupKVCacheConfig`; vLLM's layout
+with prefix caching gets vLLM's hybrid coordinator with the running requests' table
+(:class:`SharedPoolHybridKVCacheCoordinator`: quiet decode steps, `quiet_step`), anything
+else vLLM's coordinator unchanged.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class RunningTableMixin:
         """Tell the running-requests table the blocks ``request`` holds now, after
         vLLM's ``allocate_slots`` for it, and recount its room at ``length`` tokens
         (caching managers: what they hold of it, the call having cached at least
-        ``cached_tokens`` tokens). A request's blocks change only in its own
+        ``cached_tokens`` tokens, read once the prompt is computed). A request's blocks change only in its own
         ``allocate_slots`` (where this runs), in `remove_skipped_blocks` and when it is
         freed (`free`), so the table answers as walking the managers would, at one
         request's cost."""
@@ -130,7 +132,9 @@ class RunningTableMixin:
             managers = self.single_type_managers
             request_id = request.request_id
             facts = None
-            if self._caching_table:
+            # Mid-prompt (or refused, or caching delayed) the request's next step is not
+            # a decode step: without facts the table leaves it to vLLM's path.
+            if self._caching_table and cached_tokens >= request.num_prompt_tokens:
                 facts = cache_facts(managers, request_id, cached_tokens, request.num_prompt_tokens)
             running.sync(
                 request_id,
@@ -851,7 +855,7 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         )
     )
     caches = 0
-    if not delayed:
+    if coordinator._caching_table and not delayed:
         caches = min(
             min(request.num_computed_tokens, self.max_model_len) + num_new, request.num_tokens
         )

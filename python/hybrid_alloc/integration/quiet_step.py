@@ -1,12 +1,11 @@
 """The coordinator's table of running requests, in Rust: decode steps and decode room.
 
 vLLM's scheduler calls ``KVCacheManager.allocate_slots(request, n, num_lookahead_tokens=k)``
-for every running request on every step. With per-group pools' natural pages (16 tokens
-where stock's shared pool has blocks of hundreds), most of those calls change nothing:
-no group needs a page, no block leaves a window, nothing gets cached; most of the rest
-take one page in each full-attention group. vLLM still walks its coordinator and every
-single-type manager to find that out (about 14 us a request on a 4-group model, measured
-in ``benches/bench_manager.py``).
+for every running request on every step. Most of those calls change nothing: no group
+needs a page, no block leaves a window, nothing gets cached; with per-group pools' natural
+pages most of the rest take one page in each full-attention group. vLLM still walks its
+coordinator and every single-type manager to find that out (about 14 us a request on a
+4-group model, 24 us with prefix caching, measured in ``benches/bench_manager.py``).
 
 :func:`running_requests_table` builds the coordinator's
 :class:`~hybrid_alloc._native.NativeRunningRequests`: per KV-cache group, the rules of
@@ -23,14 +22,19 @@ room's totals (elastic pools, ``PerGroupPoolsMixin._decode_room_asks``). Rules m
 * sliding window (``SlidingWindowManager``): also frees the blocks that leave the window
   (vLLM skips ``processed - (window - 1 + extra_retained_tokens)`` tokens);
 * Mamba/GDN outside 'align' mode (one state block, plus the speculative ones): the same
-  two rules, skipping ``processed - 1`` tokens.
+  two rules, skipping ``processed - 1`` tokens;
+* with prefix caching on, full attention that caches its blocks and Mamba in 'align'
+  mode: after each of vLLM's calls the table reads what the managers keep of the request
+  (:func:`cache_facts`), and a decode step is quiet only where no block fills (by the
+  coordinator's ``get_num_cacheable_tokens``, checked against it at build time), no
+  state block starts or is freed, no checkpoint opens and no partial entry is
+  registered. Caching tables never answer "grow": a block that fills is cached, which is
+  vLLM's to do.
 
-The table answers only where every manager is of these kinds and none caches blocks
-(prefix caching off, the 'none' mode hybrids run in), so ``cache_blocks`` is a no-op on
-every step; any other manager kind (Mamba 'align', chunked local, cross-attention,
-sinks, ...) makes every call take vLLM's path, and the table keeps only the room. A
-quiet call returns what vLLM returns for it, the empty ``KVCacheBlocks``, and nothing
-else happens in vLLM either.
+Any other manager kind (a caching sliding window, chunked local, cross-attention, sinks,
+...) makes every call take vLLM's path, and the table keeps only the room. A quiet call
+returns what vLLM returns for it, the empty ``KVCacheBlocks``, and nothing else happens
+in vLLM either.
 """
 
 from __future__ import annotations
