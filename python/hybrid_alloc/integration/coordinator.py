@@ -123,10 +123,10 @@ class RunningTableMixin:
         """Tell the running-requests table the blocks ``request`` holds now, after
         vLLM's ``allocate_slots`` for it, and recount its room at ``length`` tokens
         (caching managers: what they hold of it, the call having cached at least
-        ``cached_tokens`` tokens, read once the prompt is computed). A request's blocks change only in its own
-        ``allocate_slots`` (where this runs), in `remove_skipped_blocks` and when it is
-        freed (`free`), so the table answers as walking the managers would, at one
-        request's cost."""
+        ``cached_tokens`` tokens, read once the prompt is computed). A request's blocks
+        change only in its own ``allocate_slots`` (where this runs), in
+        `remove_skipped_blocks` and when it is freed (`free`), so the table answers as
+        walking the managers would, at one request's cost."""
         running = self._running
         if running is not None:
             managers = self.single_type_managers
@@ -800,8 +800,10 @@ def _allocate_slots_is_ours() -> bool:
 
 
 def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    """vLLM's `KVCacheManager.allocate_slots`. On per-group pools a running request's
-    step that changes nothing (`quiet_step`) returns vLLM's answer for it at once; under
+    """vLLM's `KVCacheManager.allocate_slots`. Where the coordinator keeps the running
+    requests' table (per-group pools; vLLM's layout with prefix caching) a running
+    request's step that changes nothing (`quiet_step`) returns vLLM's answer for it at
+    once, and the table is told after vLLM's path; under
     elastic pools it tells the coordinator which request it serves, and an async KV load's
     ``reserved_blocks`` (what in-flight prefills still need, one count) becomes the
     coordinator's plan of those same needs pool by pool: the load is admitted exactly when

@@ -135,7 +135,11 @@ def _cacheable_rule(coordinator: Any) -> tuple[int, int | None, int] | None:
     size, rounding (None: vLLM's base rule), reprefillable tokens); None if unknown."""
     if not isinstance(coordinator, HybridKVCacheCoordinator):
         return None
-    align = 1 if coordinator.enable_partial_hash_hits else coordinator.scheduler_block_size
+    partial_hits = getattr(coordinator, "enable_partial_hash_hits", None)
+    if partial_hits is None or getattr(coordinator, "dcp_world_size", 1) > 1:
+        # A release without the attribute, or context parallelism (not modelled).
+        return None
+    align = 1 if partial_hits else coordinator.scheduler_block_size
     return (
         int(coordinator.hash_block_size),
         int(align),
