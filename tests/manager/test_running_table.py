@@ -98,3 +98,97 @@ def test_rules_are_checked() -> None:
         NativeRunningRequests([(0, 0, None, None)], True, 0)
     with pytest.raises(ValueError, match="rules"):
         NativeRunningRequests([(16, 0)], True, 0)  # type: ignore[list-item]
+
+
+# Prefix caching: caching full attention (64-token blocks, four 16-token hash blocks) and a
+# Mamba 'align' state group; the coordinator's rule: hash blocks of 16, no rounding.
+CACHING = [("full", 0, False), ("align", 0, False)]
+CACHEABLE = (16, 1, 0)
+
+
+def caching_table() -> NativeRunningRequests:
+    rules = [(64, 0, None, None), (64, 0, 1, None)]
+    return NativeRunningRequests(
+        rules, True, 0, label="test coordinator", caching=CACHING, cacheable=CACHEABLE
+    )
+
+
+def facts(**changed: object) -> tuple[object, ...]:
+    """(cached, retired, stale_state, state_boundary, settled, cached_tokens, prompt)
+    for a request of a 100-token prompt holding 3 blocks per group, 2 of them full."""
+    base: dict[str, object] = {
+        "cached": [2, 2],
+        "retired": [0, 2],
+        "stale": [None, None],
+        "boundary": [0, 96],
+        "settled": True,
+        "cached_tokens": 150,
+        "prompt": 100,
+    }
+    base.update(changed)
+    return tuple(base.values())
+
+
+def caching_step(t: NativeRunningRequests, computed: int) -> object:
+    return t.decode_step("a", computed, 1, 0, 0, 100, computed + 1, 4096)
+
+
+def test_caching_steps_are_quiet_only_with_the_managers_facts() -> None:
+    t = caching_table()
+    assert [t.cacheable_tokens(g, 150) for g in (0, 1)] == [150, 150]
+    t.sync("a", [3, 3], False, 0)
+    assert caching_step(t, 150) is None, "no facts: vLLM's path"
+    t.sync("a", [3, 3], False, 0, facts())
+    assert caching_step(t, 150) == ()
+    assert caching_step(t, 191) is None, "192 tokens fill block 2: vLLM caches it"
+    t.sync("a", [3, 3], False, 0, facts(settled=False))
+    assert caching_step(t, 150) is None, "a checkpoint pending: vLLM's path"
+    t.sync("a", [3, 3], False, 0, facts(stale=[None, 1]))
+    assert caching_step(t, 150) is None, "the state of two steps ago is freed there"
+    t.sync("a", [2, 3], False, 0, facts())
+    assert caching_step(t, 150) is None, "tables that cache never answer growth"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: t.sync("a", [3, 3], False, 0, facts(cached=[-1, 2])),
+        lambda t: t.sync("a", [3, 3], False, 0, facts(cached=[2])),
+        lambda t: t.sync("a", [3, 3], False, 0, facts(retired=[0, 2, 2])),
+        lambda t: t.sync("a", [3, 3], False, 0, facts(stale=[None, -2])),
+        lambda t: t.sync("a", [3, 3], False, 0, facts(boundary=[0])),
+        lambda t: t.sync("a", [3, 3], False, 0, facts(cached_tokens=-1)),
+        lambda t: t.sync("a", [3, 3], False, 0, facts(prompt=-100)),
+    ],
+    ids=[
+        "negative-cached",
+        "cached-groups",
+        "retired-groups",
+        "negative-stale",
+        "boundary-groups",
+        "negative-cached-tokens",
+        "negative-prompt",
+    ],
+)
+def test_bad_facts_are_refused_naming_the_request(call: object) -> None:
+    t = caching_table()
+    t.sync("a", [3, 3], False, 0, facts())
+    with pytest.raises(ValueError, match=r"test coordinator: request a"):
+        call(t)  # type: ignore[operator]
+    assert t.num_requests == 1 and caching_step(t, 150) == ()
+
+
+def test_caching_rules_are_checked() -> None:
+    rules = [(64, 0, None, None), (64, 0, 1, None)]
+    with pytest.raises(ValueError, match="caching rule"):
+        NativeRunningRequests(rules, True, 0, caching=CACHING)
+    with pytest.raises(ValueError, match="unknown caching kind"):
+        NativeRunningRequests(
+            rules, True, 0, caching=[("sliding", 0, False)] * 2, cacheable=CACHEABLE
+        )
+    with pytest.raises(ValueError, match="2 groups"):
+        NativeRunningRequests(rules, True, 0, caching=CACHING[:1], cacheable=CACHEABLE)
+    with pytest.raises(ValueError, match="must be positive"):
+        NativeRunningRequests(rules, True, 0, caching=CACHING, cacheable=(0, 1, 0))
+    with pytest.raises(ValueError, match="group 5"):
+        caching_table().cacheable_tokens(5, 100)
