@@ -714,67 +714,8 @@ def get_kv_cache_coordinator(
     """vLLM's factory, except that a `PerGroupKVCacheConfig` with several groups gets a
     per-group coordinator. ``extra``: keyword arguments of the installed release that
     0.32 does not have (0.33: ``num_hash_lookahead_tokens``), passed on unchanged."""
-    if (
-        not isinstance(kv_cache_config, PerGroupKVCacheConfig)
-        or len(kv_cache_config.kv_cache_groups) < 2
-    ):
-        if enable_caching and len(kv_cache_config.kv_cache_groups) > 1:
-            # vLLM's layout, where vLLM's factory builds its hybrid coordinator: the
-            # same class with the running requests' table, built with the same arguments.
-            return SharedPoolHybridKVCacheCoordinator(
-                kv_cache_config,
-                max_model_len,
-                max_in_flight_tokens,
-                use_eagle,
-                enable_caching,
-                enable_kv_cache_events,
-                dcp_world_size=dcp_world_size,
-                pcp_world_size=pcp_world_size,
-                scheduler_block_size=scheduler_block_size,
-                hash_block_size=hash_block_size,
-                metrics_collector=metrics_collector,
-                num_prefill_lookahead=num_prefill_lookahead,
-                allow_partial_hash_hits=allow_partial_hash_hits,
-                **extra,
-            )
-        return _stock_get_kv_cache_coordinator(
-            kv_cache_config,
-            max_model_len,
-            max_in_flight_tokens,
-            use_eagle,
-            enable_caching,
-            enable_kv_cache_events,
-            dcp_world_size,
-            pcp_world_size,
-            scheduler_block_size,
-            hash_block_size,
-            metrics_collector=metrics_collector,
-            num_prefill_lookahead=num_prefill_lookahead,
-            allow_partial_hash_hits=allow_partial_hash_hits,
-            **extra,
-        )
-    if not enable_caching:
-        return PerGroupNoPrefixCacheCoordinator(
-            kv_cache_config,
-            max_model_len,
-            max_in_flight_tokens,
-            use_eagle,
-            enable_kv_cache_events,
-            dcp_world_size=dcp_world_size,
-            pcp_world_size=pcp_world_size,
-            scheduler_block_size=scheduler_block_size,
-            hash_block_size=hash_block_size,
-            metrics_collector=metrics_collector,
-            num_prefill_lookahead=num_prefill_lookahead,
-            **extra,
-        )
-    return PerGroupHybridCoordinator(
-        kv_cache_config,
-        max_model_len,
-        max_in_flight_tokens,
-        use_eagle,
-        enable_caching,
-        enable_kv_cache_events,
+    # What every coordinator class takes by keyword, vLLM's and ours alike.
+    common: dict[str, Any] = dict(
         dcp_world_size=dcp_world_size,
         pcp_world_size=pcp_world_size,
         scheduler_block_size=scheduler_block_size,
@@ -783,6 +724,29 @@ def get_kv_cache_coordinator(
         num_prefill_lookahead=num_prefill_lookahead,
         **extra,
     )
+    head = (kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle)
+    several_groups = len(kv_cache_config.kv_cache_groups) > 1
+    if not isinstance(kv_cache_config, PerGroupKVCacheConfig) or not several_groups:
+        if enable_caching and several_groups:
+            # vLLM's layout, where vLLM's factory builds its hybrid coordinator: the
+            # same class with the running requests' table, built with the same arguments.
+            return SharedPoolHybridKVCacheCoordinator(
+                *head,
+                enable_caching,
+                enable_kv_cache_events,
+                allow_partial_hash_hits=allow_partial_hash_hits,
+                **common,
+            )
+        return _stock_get_kv_cache_coordinator(
+            *head,
+            enable_caching,
+            enable_kv_cache_events,
+            allow_partial_hash_hits=allow_partial_hash_hits,
+            **common,
+        )
+    if not enable_caching:
+        return PerGroupNoPrefixCacheCoordinator(*head, enable_kv_cache_events, **common)
+    return PerGroupHybridCoordinator(*head, enable_caching, enable_kv_cache_events, **common)
 
 
 _stock_allocate_slots = _kv_cache_manager.KVCacheManager.allocate_slots
