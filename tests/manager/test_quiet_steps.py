@@ -256,3 +256,23 @@ def test_quiet_steps_need_known_rules() -> None:
 
     swa = per_group_manager(per_group_config(PER_GROUP_LAYOUTS["full+swa+mamba_align"], [40] * 3))
     assert swa.coordinator._quiet_check is None, "a caching sliding window is not modelled"
+
+
+def test_quiet_step_blocks_answer_as_vllms_empty_blocks() -> None:
+    """What a quiet step returns answers every question as vLLM's empty `KVCacheBlocks`."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    from hybrid_alloc.integration.quiet_step import quiet_step_blocks
+
+    ours, theirs = quiet_step_blocks(3), KVCacheBlocks(((), (), ()))
+    assert isinstance(ours, KVCacheBlocks) and ours.blocks == theirs.blocks
+    for allow_none in (False, True):
+        for group_ids in (None, [0], [2, 1], []):
+            assert ours.get_block_ids(allow_none, group_ids=group_ids) == theirs.get_block_ids(
+                allow_none, group_ids=group_ids
+            ), (allow_none, group_ids)
+    assert ours.get_block_ids(True) is None
+    assert ours.get_unhashed_block_ids_all_groups() == theirs.get_unhashed_block_ids_all_groups()
+    assert (ours + theirs).get_block_ids() == ([], [], [])
+    with pytest.raises(IndexError):
+        ours.get_block_ids(True, group_ids=[3])

@@ -53,6 +53,7 @@ from hybrid_alloc.integration.quiet_step import (
     blocks_held,
     cache_facts,
     has_partial_hit,
+    quiet_step_blocks,
     running_requests_table,
 )
 
@@ -111,6 +112,7 @@ class RunningTableMixin:
         )
         self._quiet_check: NativeRunningRequests | None = running if running.quiet_steps else None
         managers = self.single_type_managers
+        self.quiet_step_blocks = quiet_step_blocks(len(managers))
         self._windowed = self._quiet_check is not None and any(
             not isinstance(m, FullAttentionManager) for m in managers
         )
@@ -806,7 +808,7 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
                 if per_group and coordinator._reservation_queries:
                     # As after any `allocate_slots` (below): the queries were for this step.
                     coordinator._reservation_queries.clear()
-                return self.empty_kv_cache_blocks
+                return coordinator.quiet_step_blocks
             if per_group:
                 # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(self, request, args[0], lookahead, needs)

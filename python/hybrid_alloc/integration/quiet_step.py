@@ -33,8 +33,9 @@ room's totals (elastic pools, ``PerGroupPoolsMixin._decode_room_asks``). Rules m
 
 Any other manager kind (a caching sliding window, chunked local, cross-attention, sinks,
 ...) makes every call take vLLM's path, and the table keeps only the room. A quiet call
-returns what vLLM returns for it, the empty ``KVCacheBlocks``, and nothing else happens
-in vLLM either.
+returns what vLLM returns for it, an empty ``KVCacheBlocks`` (`QuietStepBlocks`, whose
+``get_block_ids`` answers without walking the groups), and nothing else happens in vLLM
+either.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.single_type_kv_cache_manager import (
     FullAttentionManager,
     MambaManager,
@@ -63,6 +65,25 @@ CacheFacts = tuple[list[int], list[int], list[int | None], list[int], bool, int,
 """What `NativeRunningRequests.sync` learns of a request from caching managers."""
 
 _SKIP_PROBES = (0, 1, 2, 3, 15, 16, 17, 100, 4097, 1 << 20)
+
+
+class QuietStepBlocks(KVCacheBlocks):
+    """What a quiet step returns: vLLM's empty `KVCacheBlocks` (an empty tuple per group).
+    The scheduler asks every running request's result for ``get_block_ids(allow_none=True)``
+    on every step; vLLM's method walks the groups to find them all empty, which costs
+    about as much as the quiet step itself. Here they are empty by construction, so the
+    answer is None at once; every other call is vLLM's."""
+
+    def get_block_ids(  # type: ignore[override]
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        if allow_none and group_ids is None:
+            return None
+        return super().get_block_ids(allow_none, group_ids=group_ids)
+
+
+def quiet_step_blocks(num_groups: int) -> QuietStepBlocks:
+    return QuietStepBlocks(tuple(() for _ in range(num_groups)))
 
 
 def _skip_offset(manager: Any, offset: int) -> int | None:
