@@ -2,7 +2,8 @@
 """KV offloading on CPU platforms: the host-copy transfer path against a plain ``torch`` copy
 of the same bytes, and the scheduler-side cost per offloaded block.
 
-1. **Transfers.** :class:`hybrid_alloc.integration.offload.HostCopyOffloadingWorker` stores
+1. **Transfers.**
+   :class:`hybrid_alloc.integration.kv_transfer.offload.HostCopyOffloadingWorker` stores
    blocks of a per-group KV cache (an attention group and a Mamba/GDN-state group, each
    with its own pool and block stride) to host chunks and loads them back, through the same
    ``GPULoadStoreSpec`` / ``CPULoadStoreSpec`` objects vLLM's connector sends. The bound is a
@@ -47,7 +48,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from hybrid_alloc.integration.offload import HostCopyOffloadingWorker, drop_offloaded_keys
+from hybrid_alloc.integration.kv_transfer.offload import (
+    HostCopyOffloadingWorker,
+    drop_offloaded_keys,
+)
 
 HERE = Path(__file__).resolve().parent
 SECTION = "## KV offloading on CPU platforms (host-copy transfers, offload index)"

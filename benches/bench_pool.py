@@ -16,8 +16,9 @@ Sections:
 3. bookkeeping bytes per block;
 4. cost of reading block attributes (vLLM's managers read them per block);
 5. vLLM's own ``KVCacheManager`` driving a prefix-sharing request workload: on the stock
-   pool, on ours as the hybrid_alloc plugin installs it (pool +
-   ``hybrid_alloc.integration.manager_patches``) and on our pool alone, in lockstep; prefix
+   pool, on ours as the hybrid_alloc plugin installs it (pool
+   + ``hybrid_alloc.integration.scheduler.manager_patches``)
+   and on our pool alone, in lockstep; prefix
    hits and block IDs are asserted identical.
 
 Live objects are frozen out of the GC after start-up (``gc.freeze()``, as vLLM's engine
@@ -51,8 +52,8 @@ import vllm.v1.core.kv_cache_coordinator as kv_cache_coordinator
 from vllm.v1.core.block_pool import BlockPool as StockBlockPool
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from hybrid_alloc.integration import manager_patches
-from hybrid_alloc.integration.block_pool import BlockPool as OurBlockPool
+from hybrid_alloc.integration.scheduler import manager_patches
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as OurBlockPool
 
 HASH_BLOCK_SIZE = 16
 BLOCK_SIZE = 16
@@ -813,7 +814,7 @@ def make_manager(num_blocks: int, max_model_len: int) -> Any:
 
 
 #: The three ways section 5 runs: vLLM's stock pool; ours as the hybrid_alloc plugin
-#: installs it (our pool plus ``hybrid_alloc.integration.manager_patches``, the batched
+#: installs it (our pool plus ``hybrid_alloc.integration.scheduler.manager_patches``, the batched
 #: full-attention prefix lookup); and our pool alone with vLLM's per-block lookup.
 SIDES = ("stock", "ours", "ours, pool only")
 PHASES = (

@@ -100,7 +100,7 @@ MUTANTS = (
     Mutant(
         "skip-fixed-pool-admission",
         "admission compares only the growing pool's free count (a full Mamba pool admits)",
-        "python/hybrid_alloc/integration/coordinator.py",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
         "            if idx != primary and need[idx] > free:",
         "            if idx != primary and need[idx] > free and False:",
         ("tests/manager/test_per_group_manager.py",),
@@ -108,7 +108,7 @@ MUTANTS = (
     Mutant(
         "evict-by-bare-id",
         "a bare set of block IDs is applied to every pool (IDs are pool-scoped)",
-        "python/hybrid_alloc/integration/pool_set.py",
+        "python/hybrid_alloc/integration/scheduler/pool_set.py",
         "        if not isinstance(block_ids, Mapping):\n            raise TypeError(",
         "        if not isinstance(block_ids, Mapping):\n"
         "            block_ids = {g: list(block_ids) for g in range(self.num_groups)}\n"
@@ -130,7 +130,7 @@ MUTANTS = (
         "an admitted step is not reserved: only the plan of each group's blocks as one ask, "
         "which vLLM's order (every group's loaded-token blocks, then every group's new "
         "blocks) can run short",
-        "python/hybrid_alloc/integration/coordinator.py",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
         "        short = e.reserve(hits, news)",
         "        short = None",
         # assert_admitted_step_served: "admitted step ran short in vLLM's order".
@@ -140,7 +140,7 @@ MUTANTS = (
         "admission-without-decode-room",
         "elastic pools admit a request into the last free pages, leaving the running "
         "requests no room to decode (they preempt within their next steps)",
-        "python/hybrid_alloc/integration/coordinator.py",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
         "            extra += self._decode_room_asks(request_id)",
         "            pass",
         # test_running_requests_decode_into_their_room: the admission is not refused.
@@ -150,7 +150,7 @@ MUTANTS = (
         "nixl-reads-every-region",
         "a NIXL transfer reads a group's block IDs in every layer's region, other groups' "
         "included (IDs are pool-scoped)",
-        "python/hybrid_alloc/integration/nixl.py",
+        "python/hybrid_alloc/integration/kv_transfer/nixl.py",
         "        regions = np.flatnonzero(groups == group)",
         "        regions = np.flatnonzero(groups >= 0)",
         ("tests/engine/test_nixl_layout.py",),
@@ -188,7 +188,7 @@ MUTANTS = (
         "decode-growth-unplanned",
         "a decode step that only takes full-attention pages skips the elastic plan (it "
         "takes pages the budget had promised elsewhere, or runs the budget dry)",
-        "python/hybrid_alloc/integration/coordinator.py",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
         "                    not pool_set.plan(hits, news)\n",
         "                    not pool_set.plan(hits, [])\n",
         ("tests/manager/test_quiet_steps.py",),

@@ -46,11 +46,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration import coordinator as pg_coordinator
-from hybrid_alloc.integration.block_pool import BlockPool as RustPool
-from hybrid_alloc.integration.coordinator import PerGroupPoolsMixin
-from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig, PoolLayout
+from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.scheduler.coordinator import PerGroupPoolsMixin
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.support.engine_run import ROOT, engine_run_command
 
 PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
@@ -557,8 +557,8 @@ def per_group_manager(
 
 TIMEOUT_S = 400
 STOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
-POOL_SET = "hybrid_alloc.integration.pool_set.PoolSet"
-RUST_POOL = "hybrid_alloc.integration.block_pool.BlockPool"
+POOL_SET = "hybrid_alloc.integration.scheduler.pool_set.PoolSet"
+RUST_POOL = "hybrid_alloc.integration.scheduler.block_pool.BlockPool"
 
 
 TWO_PREFIX_WAVES = [
@@ -767,7 +767,7 @@ def check_pair(
             assert ours["metrics"]["prefix_cache_hits"] == stock["metrics"]["prefix_cache_hits"]
     assert stock["probe"]["init"]["block_pool"] == STOCK_POOL
     probe = ours["probe"]["init"]
-    assert probe["coordinator"] == f"hybrid_alloc.integration.coordinator.{coordinator}"
+    assert probe["coordinator"] == f"hybrid_alloc.integration.scheduler.coordinator.{coordinator}"
     assert probe["block_pool"] == POOL_SET
     log = ours["log_text"]
     elastic = "elastic" in probe

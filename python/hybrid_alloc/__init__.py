@@ -15,8 +15,8 @@ from hybrid_alloc._native import __version__
 from hybrid_alloc.settings import BACKENDS, ENV_VAR, selected_backend
 
 if TYPE_CHECKING:
-    from hybrid_alloc.integration.block_pool import BlockPool
-    from hybrid_alloc.integration.pool_set import PoolSet
+    from hybrid_alloc.integration.scheduler.block_pool import BlockPool
+    from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 
 __all__ = ["BACKENDS", "ENV_VAR", "BlockPool", "PoolSet", "__version__", "selected_backend"]
 
@@ -24,11 +24,11 @@ __all__ = ["BACKENDS", "ENV_VAR", "BlockPool", "PoolSet", "__version__", "select
 def __getattr__(name: str) -> Any:
     # Both import vLLM; load them only when asked for.
     if name == "BlockPool":
-        from hybrid_alloc.integration.block_pool import BlockPool
+        from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 
         return BlockPool
     if name == "PoolSet":
-        from hybrid_alloc.integration.pool_set import PoolSet
+        from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 
         return PoolSet
     raise AttributeError(f"module 'hybrid_alloc' has no attribute {name!r}")

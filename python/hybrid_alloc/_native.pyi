@@ -97,7 +97,7 @@ class NativeBlockPool:
     def check_invariants(self) -> None: ...
     def bookkeeping_bytes(self) -> int: ...
     def num_handles(self) -> int: ...
-    # Internal helpers used by hybrid_alloc.integration.block_pool and vLLM's private call
+    # Internal helpers used by hybrid_alloc.integration.scheduler.block_pool and vLLM's private call
     # sites.
     def _set_removed_sink(self, sink: Callable[[list[bytes]], None] | None) -> None: ...
     def _set_block_observers(
@@ -206,7 +206,7 @@ class NativeElasticPools:
 class NativeRunningRequests:
     """A coordinator's running requests: blocks held per group, window blocks freed,
     decode room lacked, and (prefix caching) what caching managers hold of each request
-    (see ``hybrid_alloc.integration.quiet_step``)."""
+    (see ``hybrid_alloc.integration.scheduler.quiet_step``)."""
 
     def __init__(
         self,

@@ -288,7 +288,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 1
     report(result)
     if args.mamba_cache_mode == "align" and result.stock.block_size > args.block_size:
-        # The worker hook (integration/worker.py) keeps vLLM's layout here.
+        # The worker hook (integration/worker/runner.py) keeps vLLM's layout here.
         print(
             f"\nnote: in 'align' mode vLLM raises the block size to {result.stock.block_size} "
             "tokens for this model, so the engine runs the stock layout above (vLLM's "

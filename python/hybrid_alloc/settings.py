@@ -14,7 +14,7 @@
   cpu_gdn_spec`). Applied with both backends, so they run the same kernel.
 * ``HYBRID_ALLOC_CPU_MAMBA2_ALIGN_FIX``: on vLLM 0.32 CPU platforms, whether the plugin
   gives the Mamba2 layers the mid-prefill checkpoints of 'align' mode (prefix caching)
-  (default on; :mod:`hybrid_alloc.integration.cpu_mamba2_align`). Both backends.
+  (default on; :mod:`hybrid_alloc.integration.worker.cpu_mamba2_align`). Both backends.
 * ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: with per-group pools and Mamba 'align' mode (prefix
   caching), whether attention and Mamba/GDN blocks stay at the configured block size (``1``)
   rather than vLLM's hybrid block size, one state page long (default off: fine blocks give

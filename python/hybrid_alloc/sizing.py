@@ -1,8 +1,8 @@
 """The one sizing model of per-group KV-cache pools.
 
-The engine core (:mod:`hybrid_alloc.integration.engine_sizing`, which translates vLLM's layer
-specs) and the capacity planner (:mod:`hybrid_alloc.planner`, which translates a
-``config.json``) both describe each KV-cache group with a :class:`GroupNeeds` and call
+The engine core (:mod:`hybrid_alloc.integration.scheduler.engine_sizing`, which
+translates vLLM's layer specs) and the capacity planner (:mod:`hybrid_alloc.planner`, which
+translates a ``config.json``) both describe each KV-cache group with a :class:`GroupNeeds` and call
 :func:`size_pools`; neither has rules of its own. Pure Python: no vLLM, no torch.
 
 A group is one of three kinds:

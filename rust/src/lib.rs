@@ -3,7 +3,7 @@
 //! The crate has two layers:
 //! * a pure Rust core that knows nothing about Python and is unit-tested with `cargo test`.
 //!   [`GroupPool`] is one pool with its own block-ID space (per-group pool sets are
-//!   composed of several, one per KV-cache group, in `hybrid_alloc.integration.pool_set`),
+//!   composed of several, one per KV-cache group, in `hybrid_alloc.integration.scheduler.pool_set`),
 //!   built from a [`FreeQueue`] and a [`PrefixCache`]. Every rule of vLLM's `BlockPool`
 //!   lives here: request-level caching and lookups ([`caching`]), the order in which
 //!   observers are told about blocks ([`notices`], [`reuse`]), and which pool a block

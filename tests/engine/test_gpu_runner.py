@@ -1,7 +1,7 @@
 """vLLM's GPU worker code that touches block IDs and KV tensors, driven on CPU.
 
 No GPU run of vLLM is possible here, so these tests call the genuine vLLM functions the
-worker hooks (:mod:`hybrid_alloc.integration.worker`) wrap, on real CPU tensors laid out by
+worker hooks (:mod:`hybrid_alloc.integration.worker.runner`) wrap, on real CPU tensors laid out by
 vLLM's own ``allocate_kv_cache`` over a config from the engine sizing, with a stand-in
 ``self`` holding only the attributes each function reads:
 
@@ -50,22 +50,22 @@ MAX_NUM_SEQS = 16  # small_engine_config's
 @pytest.fixture
 def hooks() -> Iterator[None]:
     """The runner hooks installed for the test (and only those)."""
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
-    worker.install_gpu_runner_hooks()
-    assert worker.gpu_runner_hooks_installed()
+    runner.install_gpu_runner_hooks()
+    assert runner.gpu_runner_hooks_installed()
     try:
         yield
     finally:
-        worker.uninstall_gpu_runner_hooks()
+        runner.uninstall_gpu_runner_hooks()
 
 
 @pytest.fixture
 def no_hooks() -> None:
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
-    worker.uninstall_gpu_runner_hooks()
-    assert not worker.gpu_runner_hooks_installed()
+    runner.uninstall_gpu_runner_hooks()
+    assert not runner.gpu_runner_hooks_installed()
 
 
 def engine(
@@ -80,7 +80,7 @@ def engine(
     layers viewing one budget)."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config(mode, caching=mode == "align")
     cfg.cache_config.get_resolved_kv_cache_layout = lambda: KVCacheLayout[layout]
@@ -495,15 +495,15 @@ def test_stock_cpu_runner_zeroes_other_pools_ids(no_hooks: None) -> None:
     CPUModelRunner._zero_block_ids(cpu_runner(config, caches), [20, 21, 3, 4])  # type: ignore[arg-type]
     assert_zeroed_exactly(config, caches, {full: [3, 4, 20, 21]})
     # The same step with the hooks, its list tagged as the hooked scheduler sends it.
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
     caches = kv_caches(config)
-    worker.install_gpu_runner_hooks()
+    runner.install_gpu_runner_hooks()
     try:
         tagged = config.tag_block_ids(full, [20, 21]) + config.tag_block_ids(window, [3, 4])
         CPUModelRunner._zero_block_ids(cpu_runner(config, caches), tagged)  # type: ignore[arg-type]
     finally:
-        worker.uninstall_gpu_runner_hooks()
+        runner.uninstall_gpu_runner_hooks()
     assert_zeroed_exactly(config, caches, {full: [20, 21]})
 
 
@@ -664,7 +664,7 @@ def test_hooks_install_and_restore() -> None:
     from vllm.v1.worker.gpu import model_runner as v2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
     def targets() -> list[Any]:
         return [
@@ -677,16 +677,16 @@ def test_hooks_install_and_restore() -> None:
             gpu_worker.warmup_kernels,
         ]
 
-    worker.uninstall_gpu_runner_hooks()
+    runner.uninstall_gpu_runner_hooks()
     stock = targets()
-    worker.install_gpu_runner_hooks()
+    runner.install_gpu_runner_hooks()
     try:
-        worker.install_gpu_runner_hooks()  # idempotent: nothing wrapped twice
+        runner.install_gpu_runner_hooks()  # idempotent: nothing wrapped twice
         hooked = targets()
         assert all(h is not s for h, s in zip(hooked, stock, strict=True))
         assert all(h._hybrid_alloc_wraps is s for h, s in zip(hooked, stock, strict=True))
     finally:
-        worker.uninstall_gpu_runner_hooks()
+        runner.uninstall_gpu_runner_hooks()
     assert targets() == stock
 
 
@@ -697,7 +697,7 @@ def test_gpu_worker_limits_lift_with_the_hooks(monkeypatch: pytest.MonkeyPatch) 
     from vllm.platforms import current_platform
 
     from hybrid_alloc import integration
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
     specs = {"l.0": small_mamba("align"), "l.1": attention(), "l.2": attention(window=64)}

@@ -18,7 +18,7 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
     runs it."""
     from vllm.platforms.interface import Platform
 
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
     calls: list[Any] = []
     raised = {"block": 64}
@@ -30,7 +30,7 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
         cache.mamba_block_size = cache.block_size
         cache.mamba_page_size_padded = 12345
 
-    monkeypatch.setattr(worker, "_stock_align", classmethod(stock_align))
+    monkeypatch.setattr(runner, "_stock_align", classmethod(stock_align))
     monkeypatch.delenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", raising=False)
     cfg = fake_vllm_config("align", caching=True)
     cache = cfg.cache_config
@@ -40,7 +40,7 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
         Platform._align_hybrid_block_size(cfg, None)
         return cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded
 
-    worker.install()
+    runner.install()
     try:
         assert run() == (64, 64, 12345)  # raised: vLLM's layout kept
         # Workers run the hook more than once: a second run keeps it.
@@ -60,7 +60,7 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
         cfg.kv_transfer_config = kv_connector()
         assert run() == (64, 64, 12345) and len(calls) == 3
     finally:
-        worker.uninstall()
+        runner.uninstall()
 
 
 def test_worker_hook_keeps_natural_pages(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,24 +68,24 @@ def test_worker_hook_keeps_natural_pages(monkeypatch: pytest.MonkeyPatch) -> Non
     (vLLM's rule is not run) and Mamba pages stay unpadded."""
     from vllm.platforms.interface import Platform
 
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
     calls: list[Any] = []
-    monkeypatch.setattr(worker, "_stock_align", classmethod(lambda c, v, b: calls.append(v)))
+    monkeypatch.setattr(runner, "_stock_align", classmethod(lambda c, v, b: calls.append(v)))
     monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
     cfg = fake_vllm_config("align", caching=True)
     cache = cfg.cache_config
     cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, 9
-    worker.install()
+    runner.install()
     try:
         Platform._align_hybrid_block_size(cfg, None)
         assert calls == []
         assert (cache.block_size, cache.mamba_block_size) == (16, 16)
         assert cache.mamba_page_size_padded is None
-        assert worker.is_installed()
+        assert runner.is_installed()
     finally:
-        worker.uninstall()
-    assert not worker.is_installed()
+        runner.uninstall()
+    assert not runner.is_installed()
 
 
 def test_switch() -> None:
@@ -194,14 +194,10 @@ def test_supported_vllm_installs_and_uninstalls(
     import vllm.v1.core.kv_cache_coordinator as coordinator
 
     from hybrid_alloc import integration
-    from hybrid_alloc.integration import (
-        block_pool,
-        engine_sizing,
-        manager_patches,
-        versions,
-        worker,
-    )
-    from hybrid_alloc.integration import coordinator as pg_coordinator
+    from hybrid_alloc.integration import versions
+    from hybrid_alloc.integration.scheduler import block_pool, engine_sizing, manager_patches
+    from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
+    from hybrid_alloc.integration.worker import runner
 
     version = versions.installed_version()
     plugin, warnings = _register_with(
@@ -213,14 +209,14 @@ def test_supported_vllm_installs_and_uninstalls(
         assert integration.installed() == ("rust", on)
         assert block_pool.is_installed() and manager_patches.is_installed()
         assert coordinator.BlockPool is block_pool.BlockPool
-        assert worker.is_installed() is on
+        assert runner.is_installed() is on
         assert engine_sizing.is_installed() is on
         assert pg_coordinator.is_installed() is on
         assert warnings == []
     finally:
         integration.uninstall()
     assert coordinator.BlockPool is stock_pool.BlockPool
-    for module in (block_pool, manager_patches, worker, engine_sizing, pg_coordinator):
+    for module in (block_pool, manager_patches, runner, engine_sizing, pg_coordinator):
         assert not module.is_installed(), module.__name__
 
 
@@ -234,7 +230,7 @@ def test_spec_decode_admission_per_pool(use_eagle: bool) -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from hybrid_alloc import integration
-    from hybrid_alloc.integration import coordinator as pg_coordinator
+    from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
     from tests.helpers import (
         MAX_LEN,
         attn,

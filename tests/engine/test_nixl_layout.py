@@ -1,5 +1,5 @@
-"""The NIXL descriptors of per-group pools (:mod:`hybrid_alloc.integration.nixl`), checked
-against vLLM's own worker allocation: a transfer that copies bytes descriptor by
+"""The NIXL descriptors of per-group pools (:mod:`hybrid_alloc.integration.kv_transfer.nixl`),
+checked against vLLM's own worker allocation: a transfer that copies bytes descriptor by
 descriptor, from a prefill engine's KV cache into a decode engine's of another size, moves
 each layer's pages of the named blocks and nothing else."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_alloc.integration import nixl
+from hybrid_alloc.integration.kv_transfer import nixl
 from tests.planner.specs import small_engine_config
 from tests.planner.test_engine_sizing import qwen_like_specs
 
@@ -25,7 +25,7 @@ def per_group_config(
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     layout = KVCacheLayout[layout_name]
     cfg = small_engine_config("none")

@@ -50,7 +50,7 @@ def test_kept_state_pages_reach_the_layout_only_when_asked() -> None:
     """The engine's elastic layout carries the kept pages only with
     ``HYBRID_ALLOC_KEEP_STATE_PAGES`` on."""
     from hybrid_alloc import sizing
-    from hybrid_alloc.integration import engine_sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing
 
     name = settings.KEEP_STATE_PAGES_ENV_VAR
     needs = (
@@ -114,7 +114,7 @@ def test_plugin_refuses_at_startup(monkeypatch: pytest.MonkeyPatch, env: dict[st
     """vLLM's plugin loader calls ``register``: a bad setting fails it before any hook is
     installed or removed."""
     from hybrid_alloc import integration
-    from hybrid_alloc.integration import cpu_gdn_spec, cpu_mamba2_align
+    from hybrid_alloc.integration.worker import cpu_gdn_spec, cpu_mamba2_align
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import ElasticLayout, PoolSet
+from hybrid_alloc.integration.kv_cache_config import ElasticLayout, PerGroupKVCacheConfig
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.helpers import (
     MAX_LEN,
     PER_GROUP_LAYOUTS,

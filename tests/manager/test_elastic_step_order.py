@@ -27,9 +27,9 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.integration import versions
-from hybrid_alloc.integration.coordinator import PerGroupPoolsMixin
-from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import ElasticLayout, PoolSet
+from hybrid_alloc.integration.kv_cache_config import ElasticLayout, PerGroupKVCacheConfig
+from hybrid_alloc.integration.scheduler.coordinator import PerGroupPoolsMixin
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.helpers import (
     BLOCK,
     CountingMachine,

@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
 from tests.helpers import (
     LAYOUTS,
     CountingMachine,

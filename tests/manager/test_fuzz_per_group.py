@@ -64,7 +64,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration import coordinator as pg_coordinator
+from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
 from tests.helpers import (
     BLOCK,
     MAX_LEN,

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from vllm.v1.core.block_pool import BlockPool as StockPool
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc.integration import manager_patches
-from hybrid_alloc.integration.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.scheduler import manager_patches
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
 from tests.helpers import (
     LAYOUTS,
     build_manager,

@@ -28,9 +28,9 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration import coordinator as pg_coordinator
-from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
+from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig, PoolLayout
+from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.helpers import (
     PER_GROUP_LAYOUTS,
     check_our_pool,

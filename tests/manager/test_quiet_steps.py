@@ -20,7 +20,7 @@ import pytest
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc._native import NativeRunningRequests
-from hybrid_alloc.integration import coordinator as pg_coordinator
+from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
 from tests.helpers import (
     allocate_slots_installed,
     attn,
@@ -262,7 +262,7 @@ def test_quiet_step_blocks_answer_as_vllms_empty_blocks() -> None:
     """What a quiet step returns answers every question as vLLM's empty `KVCacheBlocks`."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-    from hybrid_alloc.integration.quiet_step import quiet_step_blocks
+    from hybrid_alloc.integration.scheduler.quiet_step import quiet_step_blocks
 
     ours, theirs = quiet_step_blocks(3), KVCacheBlocks(((), (), ()))
     assert isinstance(ours, KVCacheBlocks) and ours.blocks == theirs.blocks

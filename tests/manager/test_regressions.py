@@ -12,7 +12,7 @@ from vllm.v1.core.block_pool import BlockPool as StockPool
 from vllm.v1.request import RequestStatus
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
 from tests.helpers import (
     BLOCK,
     build_manager,

@@ -65,7 +65,7 @@ def per_group_config(padded_mamba: bool = True) -> PerGroupKVCacheConfig:
     sliding-window layer; three pools of different sizes."""
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("align", caching=True)
     specs = {

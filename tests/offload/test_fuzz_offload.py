@@ -28,8 +28,9 @@ Rules, as vLLM's scheduler and the offloading connector drive both sides:
 * load_finishes: the host copy into the request's freshly allocated blocks of each group's
   own pool, ``complete_load``, then the blocks are cached;
 * load_fails: the copy fails in a subset of groups (a torn write there); ``complete_load``,
-  then :func:`hybrid_alloc.integration.offload.drop_offloaded_keys` on the load's keys (what
-  the connector's failed-load hook does), and the request's blocks are freed uncached;
+  then :func:`hybrid_alloc.integration.kv_transfer.offload.drop_offloaded_keys` on the
+  load's keys (what the connector's failed-load hook does), and the request's blocks are
+  freed uncached;
 * finish: free a running request; evict_device: evict cached blocks from the pools by
   (group, IDs): one prompt's prefix in some groups, a few random ones, or all;
 * restart: every request ends and the pools' ``reset_prefix_cache`` (the index is kept), or
@@ -87,7 +88,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.request import Request
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration import offload
+from hybrid_alloc.integration.kv_transfer import offload
 from tests.helpers import (
     BLOCK,
     PER_GROUP_LAYOUTS,

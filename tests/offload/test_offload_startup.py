@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_alloc.integration import offload, offload_tiers
+from hybrid_alloc.integration.kv_transfer import offload, offload_tiers
 from tests.offload.caches import CONFIG_MODULE, offload_vllm_config, per_group_config
 
 

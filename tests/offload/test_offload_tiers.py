@@ -1,6 +1,6 @@
 """vLLM's tiering spec with a filesystem tier behind the CPU tier, on per-group pools
-(:mod:`hybrid_alloc.integration.offload_tiers` and the shared-region host copies of
-:mod:`hybrid_alloc.integration.offload`).
+(:mod:`hybrid_alloc.integration.kv_transfer.offload_tiers` and the shared-region host copies of
+:mod:`hybrid_alloc.integration.kv_transfer.offload`).
 
 Driven with vLLM's own ``TieringOffloadingSpec``, its manager and its filesystem tier; only
 the KV cache is a test double (per-group layer views over one allocation, as the worker
@@ -24,7 +24,7 @@ import pytest
 import torch
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
-from hybrid_alloc.integration import offload, offload_tiers
+from hybrid_alloc.integration.kv_transfer import offload, offload_tiers
 from tests.offload.caches import (
     CONFIG_MODULE,
     block_bytes,

@@ -1,4 +1,4 @@
-"""Unit tests of :mod:`hybrid_alloc.integration.offload` (no engine runs): the host-copy
+"""Unit tests of :mod:`hybrid_alloc.integration.kv_transfer.offload` (no engine runs): the host-copy
 transfer worker, the per-group views of the KV cache, the offload sizing wrapper around
 vLLM's ``build_offloading_config``, and the hooks' install/uninstall.
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_alloc.integration import offload, offload_tiers
+from hybrid_alloc.integration.kv_transfer import offload, offload_tiers
 from tests.offload.caches import (
     ATTENTION_PAGE,
     CONFIG_MODULE,

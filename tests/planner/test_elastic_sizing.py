@@ -1,5 +1,5 @@
 """Elastic per-group pools in the engine core's sizing: one byte budget, each group's layers
-viewing all of it at their own page size (:mod:`hybrid_alloc.integration.engine_sizing`),
+viewing all of it at their own page size (:mod:`hybrid_alloc.integration.scheduler.engine_sizing`),
 and the sizing model behind it (:func:`hybrid_alloc.sizing.size_elastic`)."""
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_elastic_views_alias_one_budget(layout_name: str) -> None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     layout = KVCacheLayout[layout_name]
     cfg = small_engine_config("none")
@@ -224,7 +224,7 @@ def test_elastic_views_alias_one_budget(layout_name: str) -> None:
 def test_layouts_splitting_a_block_keep_the_static_split(layout_name: str) -> None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     cfg.cache_config.get_resolved_kv_cache_layout = lambda: KVCacheLayout[layout_name]
@@ -236,7 +236,7 @@ def test_layouts_splitting_a_block_keep_the_static_split(layout_name: str) -> No
 
 
 def test_switch_keeps_the_static_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     for value in ("1", ""):  # on, and unset: the default
@@ -251,7 +251,7 @@ def test_switch_keeps_the_static_split(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_elastic_capacity_counts_states() -> None:
     """The engine's capacity report: requests of max_model_len the budget holds with their
     states, from the same sizing model as the planner."""
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     specs = qwen_like_specs()
@@ -264,7 +264,7 @@ def test_elastic_capacity_counts_states() -> None:
 
 
 def test_override_lends_the_static_splits_bytes() -> None:
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     specs = qwen_like_specs()
     groups = sizing.build_groups(specs)
@@ -280,7 +280,7 @@ def test_pipeline_stages_page_is_the_largest_stages() -> None:
     """Two stages holding 3 + 1 of the GDN layers: the scheduler's page of the GDN pool is
     the larger stage's, each stage's tensors view its own layers at that block stride
     within its own memory."""
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     m = small_mamba("none")
@@ -307,7 +307,7 @@ def test_engine_and_planner_size_the_same_budget(
     """One sizing model: the engine core's elastic config (vLLM's own layer specs) and
     ``hybrid-alloc plan`` (the model's config.json) give the same slabs, pages and
     capacity."""
-    from hybrid_alloc.integration import engine_sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing
     from hybrid_alloc.model_specs import model_from_config
     from hybrid_alloc.planner import load_config, plan
     from tests.planner.specs import engine_config, pin_cpu_platform, vllm_layer_specs

@@ -96,8 +96,8 @@ def _engine_pools(
     kv: int,
     spec: int = 0,
 ) -> tuple[Any, Any]:
-    from hybrid_alloc.integration import engine_sizing
     from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+    from hybrid_alloc.integration.scheduler import engine_sizing
 
     pin_cpu_platform(monkeypatch)
     vc = engine_config(mode, max_len, seqs, spec=spec)
@@ -110,7 +110,7 @@ def _engine_pools(
 def _assert_same_pools(
     layout: Layout, vc: Any, config: Any, specs: dict[str, Any], kv: int
 ) -> None:
-    from hybrid_alloc.integration import engine_sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing
 
     rows, pools, groups = layout.rows, config.pool_layouts, config.kv_cache_groups
     assert layout.feasible
@@ -271,8 +271,8 @@ def test_mtp_draft_layer_joins_the_attention_pool(
     layer joins the attention group, which is flagged as the draft group (the scheduler
     drops the last block of its prefix hits); the GDN pool holds max_num_seqs x
     (1 + spec) states in 'none' mode, and the attention pool pays for the extra layer."""
-    from hybrid_alloc.integration import engine_sizing
     from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+    from hybrid_alloc.integration.scheduler import engine_sizing
 
     cfg = load_config("qwen3.6-35b-a3b")
     model = model_from_config(cfg)
@@ -307,7 +307,7 @@ def test_eagle_draft_with_its_own_spec_gets_a_growing_pool(monkeypatch: pytest.M
     coordinator treats every group as a draft group."""
     from dataclasses import fields, replace
 
-    from hybrid_alloc.integration import engine_sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing
 
     cfg = load_config("qwen3.6-35b-a3b")
     model = model_from_config(cfg)

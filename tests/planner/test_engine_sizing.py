@@ -1,5 +1,5 @@
-"""The engine core's per-group sizing (:mod:`hybrid_alloc.integration.engine_sizing`): groups,
-pool sizes, tensor regions, and where it falls back to vLLM's shared pool."""
+"""The engine core's per-group sizing (:mod:`hybrid_alloc.integration.scheduler.engine_sizing`):
+groups, pool sizes, tensor regions, and where it falls back to vLLM's shared pool."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def qwen_like_specs(mode: str) -> dict[str, Any]:
 
 
 def test_groups_are_per_spec_and_unpadded() -> None:
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     groups = sizing.build_groups(qwen_like_specs("none"))
     assert [g.layer_names for g in groups] == [["l.0", "l.1", "l.2"], ["l.3"]]
@@ -43,7 +43,7 @@ def test_groups_are_per_spec_and_unpadded() -> None:
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_pool_sizes(mode: str) -> None:
     from hybrid_alloc import sizing as model
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config(mode, caching=mode == "align")
     groups = sizing.build_groups(qwen_like_specs(mode))
@@ -76,7 +76,7 @@ def test_sliding_window_pools_are_bounded() -> None:
     """Sliding window next to full attention: the window group's pool holds max_num_seqs
     capped requests (sized before the growing pool, not counted in capacity); the full
     attention pool gets the rest and is the primary pool."""
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     specs = {"l.0": small_mamba("none"), "l.1": attention(), "l.2": attention(window=64)}
@@ -99,7 +99,7 @@ def test_sliding_window_pools_are_bounded() -> None:
 def test_sliding_window_grows_where_nothing_else_does() -> None:
     """Only sliding-window attention next to Mamba: the window pool takes the memory left
     over and is the primary pool; a window covering the context grows as full attention."""
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     groups = sizing.build_groups({"l.0": small_mamba("none"), "l.1": attention(window=64)})
@@ -118,7 +118,7 @@ def test_sliding_window_grows_where_nothing_else_does() -> None:
 def test_growing_pools_split_by_one_request() -> None:
     """Two growing groups (full attention of two head sizes): the memory after the Mamba
     pool is split in proportion to what one max-length request needs in each."""
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     specs = {"l.0": small_mamba("none"), "l.1": attention(), "l.2": attention(head_size=32)}
@@ -143,7 +143,7 @@ def test_config_tensors_are_disjoint_views(layout_name: str) -> None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     layout = KVCacheLayout[layout_name]
     cfg = small_engine_config("none")
@@ -167,7 +167,7 @@ def test_config_tensors_are_disjoint_views(layout_name: str) -> None:
 
 
 def test_unsupported_engines_fall_back() -> None:
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config()
     specs = qwen_like_specs("none")
@@ -244,7 +244,7 @@ def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     fabricated profiling block IDs in 'align' mode. The CPU worker takes both."""
     from vllm.platforms import current_platform
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     two_attention = {"l.0": small_mamba("align"), "l.1": attention(), "l.2": attention(window=64)}
     cfg = small_engine_config("align", caching=True)
@@ -264,7 +264,7 @@ def test_padded_align_pages_keep_vllms_layout() -> None:
     """'align' Mamba pages the workers padded (their hook kept vLLM's layout: a state page
     larger than an attention block) send the engine core to vLLM's shared pool; the same
     pages unpadded, or padded in 'none' mode, get per-group pools."""
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("align", caching=True)
     reason = sizing.unsupported_reason(cfg, [qwen_like_specs("align")])
@@ -282,7 +282,7 @@ def test_fallback_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     calls: list[Any] = []
     monkeypatch.setattr(sizing, "_stock_get_kv_cache_configs", lambda *a: calls.append(a))
@@ -316,7 +316,7 @@ def test_over_subscription_lowers_concurrency(mode: str, caplog: pytest.LogCaptu
     counts; the scheduler's admission then waits on the Mamba pool."""
     import logging
 
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config(mode, caching=mode == "align")
     groups = sizing.build_groups(qwen_like_specs(mode))
@@ -339,7 +339,7 @@ def test_pipeline_stages_share_block_counts() -> None:
     Mamba pool the same everywhere, the attention pool the fewest blocks any stage
     affords; each stage's config holds every group but tensors for its own layers only."""
     from hybrid_alloc import sizing as model
-    from hybrid_alloc.integration import engine_sizing as sizing
+    from hybrid_alloc.integration.scheduler import engine_sizing as sizing
 
     cfg = small_engine_config("none")
     m = small_mamba("none")

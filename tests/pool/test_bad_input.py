@@ -20,7 +20,7 @@ import pytest
 from hypothesis import event, given, settings
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from hybrid_alloc.integration.block_pool import BlockPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 from tests.helpers import budget, make_request, rust_snapshot
 
 DOCUMENTED = (ValueError, TypeError, IndexError, KeyError)

@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_block_hashes,
 )
 
-from hybrid_alloc.integration.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
 from tests.helpers import (
     CountingMachine,
     FakeRequest,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from hybrid_alloc._native import FreeBlockIterator
-from hybrid_alloc.integration.block_pool import BlockPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 from tests.helpers import FakeRequest, make_request, rust_snapshot
 
 HBS = 4

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from vllm.v1.core.block_pool import BlockPool as StockPool
 
-from hybrid_alloc.integration.block_pool import BlockPool as RustPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
 from tests.helpers import make_request, rust_snapshot, stock_snapshot
 
 HASH_BLOCK_SIZE = 4

@@ -29,7 +29,7 @@ from hypothesis import assume, settings
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from hybrid_alloc._native import NativeElasticPools
-from hybrid_alloc.integration.block_pool import BlockPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 from tests.helpers import CountingMachine, RecordingCollector, budget, make_request, stepping
 
 BS = 4

@@ -19,7 +19,8 @@ from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, precondition, rule
 from vllm.v1.core.kv_cache_utils import get_group_id
 
-from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
+from hybrid_alloc.integration.kv_cache_config import PoolLayout
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.helpers import CountingMachine, budget, make_request, stepping
 
 BS = 4

@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from hybrid_alloc.integration.block_pool import BlockPool
-from hybrid_alloc.integration.pool_set import PoolLayout, PoolSet
+from hybrid_alloc.integration.kv_cache_config import PoolLayout
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.helpers import make_request
 
 BS = 4  # block size = hash block size in these tests

@@ -435,7 +435,7 @@ def test_quiet_steps_schedule_alike(layout: str, monkeypatch: pytest.MonkeyPatch
     steps (`integration.quiet_step`) as with vLLM's whole ``allocate_slots`` on every
     call: the same preemptions, tokens, simulated time and per-step series, on memory
     tight enough to preempt."""
-    from hybrid_alloc.integration import coordinator
+    from hybrid_alloc.integration.scheduler import coordinator
 
     sim = _sim()
     rng = random.Random(5)

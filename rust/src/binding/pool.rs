@@ -1,5 +1,5 @@
 //! `NativeBlockPool`: one core [`GroupPool`] as a Python class, subclassed in Python by
-//! `hybrid_alloc.integration.block_pool.BlockPool` (which builds vLLM's event objects).
+//! `hybrid_alloc.integration.scheduler.block_pool.BlockPool` (which builds vLLM's event objects).
 //!
 //! Each method converts its arguments, makes one core call and converts the answer back;
 //! the rules (what is valid, what changes, in which order observers hear of it) are the

@@ -1,7 +1,7 @@
 //! `NativeRunningRequests`: the core's [`RunningRequests`] as a Python class. Counts come
 //! in as Python ints: a negative one is a `ValueError` naming the table and the request,
 //! one past 64 bits counts as the largest (never an `OverflowError`); block counts as
-//! `int | None` per group. The table is built by `hybrid_alloc.integration.quiet_step`.
+//! `int | None` per group. The table is built by `hybrid_alloc.integration.scheduler.quiet_step`.
 
 use super::convert::{pool_error, saturating_int};
 use crate::error::PoolError;

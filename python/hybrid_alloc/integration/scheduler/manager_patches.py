@@ -19,7 +19,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
 )
 
-from hybrid_alloc.integration.block_pool import BlockPool
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 
 _ATTR = "find_longest_cache_hit"
 _stock_method: Any = None

@@ -61,7 +61,7 @@ _stock_align: Any = Platform.__dict__[_ATTR]
 
 
 def _align_without_padding(cls: Any, vllm_config: Any, backend_cls: Any) -> None:
-    from hybrid_alloc.integration.engine_sizing import config_unsupported_reason
+    from hybrid_alloc.integration.scheduler.engine_sizing import config_unsupported_reason
 
     if config_unsupported_reason(vllm_config) is not None:
         # The engine core will size one shared pool (vLLM's); it needs vLLM's padding.
@@ -425,7 +425,7 @@ _runner_hooks = hooks.HookSet(
 
 def install_gpu_runner_hooks() -> None:
     """Wrap the runner functions listed in ``_RUNNER_HOOKS`` (idempotent). Only on the
-    releases in :mod:`.versions`; a module that does not import (a build without it) or
+    releases in :mod:`..versions`; a module that does not import (a build without it) or
     lacks the attribute is left alone."""
     _runner_hooks.install()
 

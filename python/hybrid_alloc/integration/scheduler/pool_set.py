@@ -16,79 +16,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 
 from hybrid_alloc._native import NativeElasticPools
-from hybrid_alloc.integration.block_pool import BlockPool
+from hybrid_alloc.integration.kv_cache_config import ElasticLayout, PoolLayout, pool_of_each_group
+from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 
 logger = logging.getLogger("hybrid_alloc")
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """One pool of a `PoolSet`.
-
-    Attributes:
-        group_ids: the KV-cache groups that draw blocks from this pool.
-        num_blocks: blocks in the pool, null block included (as vLLM's ``num_gpu_blocks``).
-        grows: whether the groups hold KV that grows with the sequence (attention) rather
-            than a fixed amount of state per request (Mamba/GDN outside 'all' mode).
-        label: names the pool in logs and error messages.
-    """
-
-    group_ids: tuple[int, ...]
-    num_blocks: int
-    grows: bool
-    label: str = ""
-
-
-@dataclass(frozen=True)
-class ElasticLayout:
-    """One byte budget for every pool of a `PoolSet` (elastic pools, ``rust/src/elastic.rs``).
-
-    Attributes:
-        slab_bytes: the unit memory is lent to a pool in.
-        num_slabs: slabs in the budget (slab 0 holds the null blocks).
-        page_bytes: per pool (in layout order), the bytes one of its blocks takes across
-            its layers.
-        kept_per_live: per pool, idle blocks kept per block in use that no other pool may
-            take back (empty: none); 'align'-mode Mamba/GDN pools keep the block a request
-            moves its state into at each block boundary.
-    """
-
-    slab_bytes: int
-    num_slabs: int
-    page_bytes: tuple[int, ...]
-    kept_per_live: tuple[int, ...] = ()
-
-
-def pool_of_each_group(layouts: Sequence[PoolLayout]) -> dict[int, int]:
-    """{group: index of the layout that serves it}, checking that the layouts cover the
-    groups 0..n-1, each exactly once (every group draws from exactly one pool).
-
-    Raises:
-        ValueError: a layout serves no group, a group is served twice, or groups are
-            missing.
-    """
-    if not layouts:
-        raise ValueError("per-group pools: at least one pool is needed")
-    owner: dict[int, int] = {}
-    for idx, layout in enumerate(layouts):
-        if not layout.group_ids:
-            raise ValueError(f"per-group pools: pool {idx} serves no group")
-        for gid in layout.group_ids:
-            if gid in owner:
-                raise ValueError(
-                    f"per-group pools: group {gid} is in pools {owner[gid]} and {idx}; "
-                    "every group must draw from exactly one pool"
-                )
-            owner[gid] = idx
-    if sorted(owner) != list(range(len(owner))):
-        raise ValueError(f"per-group pools: groups must be 0..n-1, got {sorted(owner)}")
-    return owner
 
 
 class PoolSet:

@@ -60,8 +60,9 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from hybrid_alloc.integration import hooks, offload_tiers
+from hybrid_alloc.integration import hooks
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.integration.kv_transfer import offload_tiers
 
 logger = init_logger("vllm.hybrid_alloc")
 

@@ -2,8 +2,8 @@
 
 vLLM 0.32's coordinator builds one pool and hands it to every single-type manager. The
 classes here let vLLM build its coordinator as usual, then give each manager the pool of
-its group from a :class:`~hybrid_alloc.integration.pool_set.PoolSet` (before any block is handed
-out), and put the `PoolSet` where vLLM keeps "the" pool (``coordinator.block_pool``,
+its group from a :class:`~hybrid_alloc.integration.scheduler.pool_set.PoolSet`
+(before any block is handed out), and put the `PoolSet` where vLLM keeps "the" pool (``coordinator.block_pool``,
 which `KVCacheManager` and the scheduler use).
 
 Admission. `KVCacheManager.allocate_slots` asks the coordinator for one number of blocks
@@ -48,8 +48,8 @@ from vllm.v1.request import RequestStatus
 
 from hybrid_alloc._native import NativeRunningRequests
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import PoolSet
-from hybrid_alloc.integration.quiet_step import (
+from hybrid_alloc.integration.scheduler.pool_set import PoolSet
+from hybrid_alloc.integration.scheduler.quiet_step import (
     blocks_held,
     cache_facts,
     has_partial_hit,

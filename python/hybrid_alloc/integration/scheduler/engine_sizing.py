@@ -45,8 +45,11 @@ from vllm.v1.kv_cache_interface import (
 
 from hybrid_alloc import sizing
 from hybrid_alloc.integration import versions
-from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.integration.pool_set import ElasticLayout, PoolLayout
+from hybrid_alloc.integration.kv_cache_config import (
+    ElasticLayout,
+    PerGroupKVCacheConfig,
+    PoolLayout,
+)
 from hybrid_alloc.sizing import ALIGN_CACHE_FACTOR as ALIGN_CACHE_FACTOR
 from hybrid_alloc.sizing import REGION_ALIGNMENT as REGION_ALIGNMENT
 
@@ -98,7 +101,7 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
     if cache.mamba_cache_mode == "align" and _stock_gpu_worker(vllm_config, v2_runner=True):
         # Its profiling runs fabricate block IDs for every group modulo the primary
         # pool's block count (set_dummy_context), past the end of a smaller 'align' pool;
-        # the worker hooks (`worker.install_gpu_runner_hooks`) keep them in each pool.
+        # the worker hooks (`runner.install_gpu_runner_hooks`) keep them in each pool.
         return (
             "Mamba 'align' mode under vLLM's V2 GPU model runner (VLLM_USE_V2_MODEL_RUNNER=0 "
             "selects the V1 runner, which per-group pools support)"
@@ -113,13 +116,14 @@ group's layers' tensors (and a state layer's whole tensor), so pool-scoped IDs s
 
 
 NIXL_CONNECTOR = "NixlConnector"
-"""vLLM's prefill/decode connector (pull mode), whose worker side :mod:`.nixl` adapts."""
+"""vLLM's prefill/decode connector (pull mode), whose worker side
+:mod:`..kv_transfer.nixl` adapts."""
 
 
 def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = None) -> str | None:
     """Why per-group pools cannot serve the engine's KV connector (None: no connector,
-    vLLM's decode benchmark connector, its NixlConnector (:mod:`.nixl`), or its native
-    offloading, ``--kv-offloading-size``, which :mod:`.offload` adapts)."""
+    vLLM's decode benchmark connector, its NixlConnector (:mod:`..kv_transfer.nixl`), or its native
+    offloading, ``--kv-offloading-size``, which :mod:`..kv_transfer.offload` adapts)."""
     if kv_transfer_config is None:
         return None
     name = kv_transfer_config.kv_connector
@@ -136,7 +140,9 @@ def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = 
     extra = kv_transfer_config.kv_connector_extra_config or {}
     spec_name = extra.get("spec_name", "CPUOffloadingSpec")
     if spec_name == "TieringOffloadingSpec":
-        from hybrid_alloc.integration.offload_tiers import secondary_tiers_unsupported_reason
+        from hybrid_alloc.integration.kv_transfer.offload_tiers import (
+            secondary_tiers_unsupported_reason,
+        )
 
         reason = secondary_tiers_unsupported_reason(extra)
         if reason is not None:
@@ -198,9 +204,9 @@ def _stock_gpu_worker(vllm_config: Any, v2_runner: bool = False) -> bool:
     ``tests/engine/test_gpu_runner.py``."""
     from vllm.platforms import current_platform
 
-    from hybrid_alloc.integration import worker
+    from hybrid_alloc.integration.worker import runner
 
-    if current_platform.is_cpu() or worker.gpu_runner_hooks_installed():
+    if current_platform.is_cpu() or runner.gpu_runner_hooks_installed():
         return False
     return not v2_runner or bool(getattr(vllm_config, "use_v2_model_runner", False))
 
@@ -221,7 +227,7 @@ def spec_unsupported_reason(
     if any(s.mamba_cache_mode == "all" for s in mamba):
         return "mamba_cache_mode 'all' keeps state per block; it grows like attention"
     if any(s.mamba_cache_mode == "align" and s.page_size_padded is not None for s in mamba):
-        # The workers' hook (worker._keeps_shared_align_layout) kept vLLM's layout.
+        # The workers' hook (runner._keeps_shared_align_layout) kept vLLM's layout.
         return (
             "Mamba 'align' mode with state pages larger than an attention block (the "
             "workers kept vLLM's layout; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 runs per-group "
