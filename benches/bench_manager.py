@@ -79,7 +79,8 @@ def request_mix(
 
 
 def _requests(engine: Any, prompts: Sequence[list[int]], decode_steps: int) -> list[Any]:
-    from hybrid_alloc.integration.simulator import SimRequest, _vllm_request
+    from hybrid_alloc.integration.simulator import SimRequest
+    from hybrid_alloc.integration.simulator.run import _vllm_request
 
     out = []
     for i, prompt in enumerate(prompts):
@@ -218,7 +219,7 @@ def build(config: str, settings: Any, layout: str) -> Any:
 
     cfg = load_config(config)
     model = load_model_spec(cfg, settings.specs, dtype=settings.dtype)
-    with sim.layout_installed(layout), sim._quiet_vllm(True):
+    with sim.layout_installed(layout), sim.quiet_vllm(True):
         return sim.build_engine(cfg, model, settings, layout)
 
 

@@ -50,7 +50,7 @@ def test_vllm_reads_the_table_families_alike(name: str) -> None:
     """vLLM's model class registers the table's layers (same kinds, heads, windows, state
     shapes and dtypes) in the order the simulator fed vLLM before (Zamba2: the shared
     attention blocks first)."""
-    from hybrid_alloc.integration.simulator import _layer_order
+    from hybrid_alloc.integration.simulator.engine import _layer_order
 
     vs = _specs()
     cfg = load_config(name)

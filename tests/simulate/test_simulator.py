@@ -193,7 +193,7 @@ def test_decode_room_is_half_of_stocks_block(name: str) -> None:
     assert stock.ok and stock.attention_block_size is not None, stock.error
     cfg = load_config(name)
     model = load_model_spec(cfg, settings.specs, dtype=settings.dtype)
-    with sim.layout_installed("elastic"), sim._quiet_vllm(True):
+    with sim.layout_installed("elastic"), sim.quiet_vllm(True):
         engine = sim.build_engine(cfg, model, settings, "elastic")
     config = engine.kv_cache_config
     assert config.elastic is not None
@@ -334,14 +334,14 @@ def test_prompts_are_cut_to_the_context() -> None:
 
 
 def test_qwen35_configs_become_qwen3_next() -> None:
+    from hybrid_alloc.integration.simulator import engine
     from hybrid_alloc.planner import load_config
 
-    sim = _sim()
-    cfg = sim._engine_hf_config(load_config("qwen3.6-35b-a3b"))
+    cfg = engine._engine_hf_config(load_config("qwen3.6-35b-a3b"))
     assert cfg["model_type"] == "qwen3_next"
     assert cfg["architectures"] == ["Qwen3NextForCausalLM"]
     assert "text_config" not in cfg and cfg["num_hidden_layers"] == 40
-    plain = sim._engine_hf_config(load_config("jamba-v0.1"))
+    plain = engine._engine_hf_config(load_config("jamba-v0.1"))
     assert plain["model_type"] == "jamba" and not any(k.startswith("_") for k in plain)
 
 

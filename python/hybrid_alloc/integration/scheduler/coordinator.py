@@ -3,8 +3,8 @@
 vLLM 0.32's coordinator builds one pool and hands it to every single-type manager. The
 classes here let vLLM build its coordinator as usual, then give each manager the pool of
 its group from a :class:`~hybrid_alloc.integration.scheduler.pool_set.PoolSet`
-(before any block is handed out), and put the `PoolSet` where vLLM keeps "the" pool (``coordinator.block_pool``,
-which `KVCacheManager` and the scheduler use).
+(before any block is handed out), and put the `PoolSet` where vLLM keeps "the" pool
+(``coordinator.block_pool``, which `KVCacheManager` and the scheduler use).
 
 Admission. `KVCacheManager.allocate_slots` asks the coordinator for one number of blocks
 and compares it with one free count, ``block_pool.get_num_free_blocks()`` (minus the
