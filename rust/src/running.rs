@@ -537,6 +537,44 @@ impl RunningRequests {
         Ok(())
     }
 
+    /// After a decode step that [`Self::decode_step`] answered with growth took exactly
+    /// `needs[g]` more blocks in each group: what [`Self::sync`] with the managers' new
+    /// counts would record (no facts: the table caches nothing), without walking them;
+    /// the room is recounted at `room_length`. Refused, the table unchanged, for a
+    /// request it does not hold or a group given blocks that holds none.
+    pub fn grown(
+        &mut self,
+        request_id: &str,
+        needs: &[u64],
+        room_length: u64,
+    ) -> Result<(), PoolError> {
+        self.check_groups(request_id, needs.len(), "block counts")?;
+        let Some(entry) = self.entries.get_mut(request_id) else {
+            return Err(PoolError::InvalidArgument(format!(
+                "request {request_id} is not in the running requests' table"
+            )));
+        };
+        if let Some(g) = (0..needs.len()).find(|&g| needs[g] > 0 && entry.held[g].is_none()) {
+            return Err(PoolError::InvalidArgument(format!(
+                "request {request_id}: group {g} holds no blocks to grow"
+            )));
+        }
+        for (held, &n) in entry.held.iter_mut().zip(needs) {
+            if let Some(h) = held {
+                *h += n;
+            }
+        }
+        entry.settled = false;
+        recount(
+            &self.rules,
+            self.room_tokens,
+            &mut self.room_totals,
+            entry,
+            room_length,
+        );
+        Ok(())
+    }
+
     /// After vLLM's `remove_skipped_blocks(request_id, processed)`, with the blocks each
     /// group held then: every block before `min(skipped // block_size, held)` is freed
     /// (caching groups: the request is no longer settled).
@@ -714,6 +752,44 @@ mod tests {
         );
         t.forget("a");
         assert!(!t.quiet_step("a", 20, 19, 0));
+    }
+
+    #[test]
+    fn grown_records_what_a_sync_of_the_new_counts_would() {
+        let rules = || vec![full(16, 0), full(32, 1), window(16, 31)];
+        let mut synced = RunningRequests::new(rules(), true, 64, None).unwrap();
+        let mut grown = RunningRequests::new(rules(), true, 64, None).unwrap();
+        for t in [&mut synced, &mut grown] {
+            t.sync("a", &[Some(3), Some(2), Some(4)], false, 40, None)
+                .unwrap();
+            t.sync("b", &[Some(1), Some(1), Some(1)], false, 10, None)
+                .unwrap();
+        }
+        synced
+            .sync("a", &[Some(4), Some(3), Some(4)], false, 49, None)
+            .unwrap();
+        grown.grown("a", &[1, 1, 0], 49).unwrap();
+        assert_eq!(synced.room_asks(""), grown.room_asks(""));
+        assert_eq!(synced.room_asks("b"), grown.room_asks("b"));
+        for slots in [60, 64, 65, 96, 97] {
+            assert_eq!(
+                synced.plan_step("a", slots, slots - 1),
+                grown.plan_step("a", slots, slots - 1)
+            );
+        }
+        // Refused, nothing changed: an unknown request, a group without blocks, a count
+        // for the wrong number of groups.
+        let before = grown.room_asks("");
+        assert!(grown.grown("zz", &[1, 0, 0], 60).is_err());
+        assert!(grown.grown("a", &[1, 0], 60).is_err());
+        grown
+            .sync("c", &[Some(1), None, None], false, 5, None)
+            .unwrap();
+        let with_c = grown.room_asks("");
+        assert!(grown.grown("c", &[1, 1, 0], 60).is_err());
+        assert_eq!(grown.room_asks(""), with_c);
+        grown.forget("c");
+        assert_eq!(grown.room_asks(""), before);
     }
 
     #[test]

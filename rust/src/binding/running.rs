@@ -184,6 +184,22 @@ impl NativeRunningRequests {
             .map_err(|e| self.error(e))
     }
 
+    /// After a decode step `decode_step` answered with growth took exactly `needs[g]`
+    /// blocks in each group: what `sync` with the managers' new counts records, without
+    /// walking them (tables that cache nothing); the room recounted at `room_length`.
+    fn grown(
+        &mut self,
+        request_id: &str,
+        needs: &Bound<'_, PyAny>,
+        room_length: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let needs = self.counts(request_id, "new block count", needs)?;
+        let length = count(&self.label, request_id, "room length", room_length)?;
+        self.table
+            .grown(request_id, &needs, length)
+            .map_err(|e| self.error(e))
+    }
+
     /// The tokens the coordinator's `cache_blocks` hands group `group`'s manager when it
     /// caches `tokens` (checked against vLLM's own rule when the table is built).
     fn cacheable_tokens(&self, group: usize, tokens: u64) -> PyResult<Option<u64>> {

@@ -104,6 +104,9 @@ class RunningTableMixin:
     two is used. Mixed in before vLLM's class."""
 
     single_type_managers: tuple[Any, ...]
+    _grows_decode_steps = False
+    """Whether `allocate_slots_honouring_loads` may take a decode step's full-attention
+    blocks itself (`PerGroupPoolsMixin._grow_decode_step`)."""
 
     def _init_running_table(self, room_pools: dict[int, int], room_tokens: int) -> None:
         running = running_requests_table(self, room_pools, room_tokens, QUIET_STEPS)
@@ -191,6 +194,8 @@ class SharedPoolHybridKVCacheCoordinator(RunningTableMixin, HybridKVCacheCoordin
 class PerGroupPoolsMixin(RunningTableMixin):
     """What the per-group coordinators add to vLLM's; mixed in before vLLM's class."""
 
+    _grows_decode_steps = True
+
     pool_set: PoolSet
     single_type_managers: tuple[Any, ...]
     retention_interval: int | None
@@ -224,6 +229,10 @@ class PerGroupPoolsMixin(RunningTableMixin):
         # Where vLLM keeps its one pool; KVCacheManager reads it after we return.
         self.block_pool = pool_set
         self._group_pools = [pool_set.pool_index_of_group(g) for g in range(pool_set.num_groups)]
+        self._primary_groups = [
+            g for g, idx in enumerate(self._group_pools) if idx == pool_set.primary_index
+        ]
+        self._no_hits: tuple[tuple[()], ...] = tuple(() for _ in range(len(pool_set)))
         self._max_model_len = max_model_len
         # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
         # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
@@ -468,7 +477,7 @@ class PerGroupPoolsMixin(RunningTableMixin):
         """vLLM's ``allocate_slots`` for a running request's decode step that, by the
         running-requests table, only takes ``needs[g]`` blocks in groups without a window
         (full attention): the same admission (each pool's need against its free blocks;
-        elastic pools: the plan, then the primary pool's count, as vLLM compares it), the
+        elastic pools: the plan and the primary pool's count, as vLLM compares it), the
         same managers' ``allocate_new_blocks``, the same result, and the same reservation
         of an elastic step. What vLLM's call would also walk finds nothing to do here:
         no block leaves a window (``remove_skipped_blocks``), no manager caches
@@ -479,19 +488,19 @@ class PerGroupPoolsMixin(RunningTableMixin):
         main = min(request.num_computed_tokens, max_len) + num_new
         slots = min(main + lookahead, max_len)
         pool_set = self.pool_set
-        news = [(self._group_pools[g], n) for g, n in enumerate(needs)]
+        news = list(zip(self._group_pools, needs))
         blocks: tuple[list[Any], ...] | None = None
         try:
-            if pool_set.elastic is not None:
-                hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
-                primary = pool_set.primary_index
+            e = pool_set.elastic
+            if e is not None:
+                # vLLM's two refusals (neither changes anything, so their order does not
+                # matter): the primary pool's count as vLLM compares it, then the plan,
+                # which `reserve` runs before it lends the step anything.
                 if (
-                    not pool_set.plan(hits, news)
-                    or sum(n for idx, n in news if idx == primary) > pool_set.get_num_free_blocks()
+                    sum(needs[g] for g in self._primary_groups) > pool_set.get_num_free_blocks()
+                    or e.reserve(self._no_hits, news) is not None
                 ):
                     return None
-                self._admitted_step = (request_id, hits, news)
-                self._reserve_step(request_id)
             else:
                 need = [0] * len(pool_set)
                 for idx, n in news:
@@ -508,7 +517,12 @@ class PerGroupPoolsMixin(RunningTableMixin):
             self._end_step()
             if blocks is not None:
                 room = _room_length(request, num_new) if self._decode_room_tokens else 0
-                self._sync_running(request, room)
+                table = self._running
+                if table is not None and tuple(map(len, blocks)) == tuple(needs):
+                    # The managers took what the table planned: it adds them itself.
+                    table.grown(request_id, needs, room)
+                else:
+                    self._sync_running(request, room)
         return kv_manager.create_kv_cache_blocks(blocks)
 
     def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
@@ -756,8 +770,8 @@ _stock_allocate_slots = _kv_cache_manager.KVCacheManager.allocate_slots
 # arguments after the request.
 _DELAY_CACHE_BLOCKS_ARG = 5
 _RESERVED_BLOCKS_ARG = 8
-# The arguments vLLM's scheduler passes for a running request's step, after its count.
-_DECODE_STEP_KWARGS = frozenset({"num_lookahead_tokens"})
+# The one keyword vLLM's scheduler passes for a running request's step, after its count.
+_LOOKAHEAD_KWARG = "num_lookahead_tokens"
 _RUNNING = RequestStatus.RUNNING
 
 
@@ -780,19 +794,18 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     if not isinstance(coordinator, RunningTableMixin):
         return _stock_allocate_slots(self, request, *args, **kwargs)
     quiet = coordinator._quiet_check
-    per_group = isinstance(coordinator, PerGroupPoolsMixin)
     if (
         quiet is not None
         and len(args) == 1
-        and (not kwargs or kwargs.keys() <= _DECODE_STEP_KWARGS)
-        and request.status == _RUNNING
+        and request.status is _RUNNING
+        and (not kwargs or (len(kwargs) == 1 and _LOOKAHEAD_KWARG in kwargs))
         and args[0] > 0
     ):
         # The scheduler's call for a running request (no hits, loads or encoder tokens);
         # the table computes vLLM's `num_tokens_need_slot` and the processed prefix
         # `remove_skipped_blocks` is given from the request's counts, as
         # `allocate_slots` does, and the length its room is counted from.
-        lookahead = kwargs.get("num_lookahead_tokens", 0)
+        lookahead = kwargs[_LOOKAHEAD_KWARG] if kwargs else 0
         needs = quiet.decode_step(
             request.request_id,
             request.num_computed_tokens,
@@ -805,13 +818,14 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         )
         if needs is not None:
             if not needs:
-                if per_group and coordinator._reservation_queries:
+                if coordinator._grows_decode_steps and coordinator._reservation_queries:
                     # As after any `allocate_slots` (below): the queries were for this step.
                     coordinator._reservation_queries.clear()
                 return coordinator.quiet_step_blocks
-            if per_group:
+            if coordinator._grows_decode_steps:
                 # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(self, request, args[0], lookahead, needs)
+    per_group = isinstance(coordinator, PerGroupPoolsMixin)
     num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
     # The tokens this call caches at least, if it succeeds (caching tables learn from
     # it whether the prompt's partial entry is registered): `allocate_slots` caches
