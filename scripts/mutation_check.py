@@ -189,9 +189,18 @@ MUTANTS = (
         "a decode step that only takes full-attention pages skips the elastic plan (it "
         "takes pages the budget had promised elsewhere, or runs the budget dry)",
         "python/hybrid_alloc/integration/scheduler/coordinator.py",
-        "                    not pool_set.plan(hits, news)\n",
-        "                    not pool_set.plan(hits, [])\n",
+        "                    or e.reserve(self._no_hits, news) is not None\n",
+        "                    or e.reserve(self._no_hits, []) is not None\n",
         ("tests/manager/test_quiet_steps.py",),
+    ),
+    Mutant(
+        "grown-keeps-old-counts",
+        "after a decode step took full-attention blocks the running table keeps the counts "
+        "it had (its next answers are those of a request with fewer blocks)",
+        "rust/src/running.rs",
+        "            if let Some(h) = held {\n                *h += n;",
+        "            if let Some(h) = held {\n                *h += n - n;",
+        ("cargo:running::tests::grown_records_what_a_sync_of_the_new_counts_would",),
     ),
     Mutant(
         "quiet-step-ignores-window",

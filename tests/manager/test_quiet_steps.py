@@ -13,23 +13,20 @@ request decodes), and with two full-attention pools of different page sizes."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
-from hybrid_alloc._native import NativeRunningRequests
 from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
 from tests.helpers import (
-    allocate_slots_installed,
     attn,
-    new_request,
     per_group_config,
     per_group_manager,
     state_mamba,
     wide_attn,
 )
+from tests.manager.quiet_driver import Traffic, TwinManagers, drive
 from tests.manager.test_elastic_manager import elastic_config
 
 LAYOUTS: dict[str, list[Any]] = {
@@ -67,67 +64,15 @@ def build(specs: list[Any], elastic: bool, quiet: bool, slabs: int = 24) -> Any:
     return mgr
 
 
-class Counted:
-    """The coordinator's check, counting its answers."""
-
-    def __init__(self, check: NativeRunningRequests) -> None:
-        self.check = check
-        self.quiet = 0
-        self.grown = 0
-        self.not_quiet = 0
-
-    def decode_step(self, request_id: str, *counts: int) -> tuple[int, ...] | None:
-        answer = self.check.decode_step(request_id, *counts)
-        if answer == ():
-            self.quiet += 1
-        else:
-            self.not_quiet += 1
-            self.grown += answer is not None
-        return answer
+TRAFFIC = Traffic(drafts=(0, 0, 1, 2), in_flight=(0, 0, 1, 3), finish_at=90, shared_prompts=False)
 
 
-def ids(result: Any) -> Any:
-    """None if refused, else the new block IDs (None where there are none)."""
-    return None if result is None else ("allocated", result.get_block_ids(allow_none=True))
-
-
-class Twins:
-    """The same requests on both managers, each call made on both and compared."""
-
+class Twins(TwinManagers):
     def __init__(self, specs: list[Any], elastic: bool, slabs: int = 24) -> None:
-        self.mgrs = [
+        super().__init__(
             build(specs, elastic, quiet=False, slabs=slabs),
             build(specs, elastic, quiet=True, slabs=slabs),
-        ]
-        self.counted = Counted(self.mgrs[1].coordinator._quiet_check)
-        self.mgrs[1].coordinator._quiet_check = self.counted
-        self.reqs: dict[str, list[Request]] = {}
-        self.outputs: dict[str, int] = {}
-        self.calls = 0
-        self.preempted = 0
-        self.lengths: dict[str, int] = {}
-
-    def allocate(self, rid: str, *args: Any, **kwargs: Any) -> bool:
-        req = self.reqs[rid][0]
-        self.lengths[rid] = max(
-            req.num_prompt_tokens, req.num_tokens - 1, req.num_computed_tokens + args[0]
         )
-        with allocate_slots_installed():
-            got = [
-                ids(m.allocate_slots(r, *args, **kwargs))
-                for m, r in zip(self.mgrs, self.reqs[rid], strict=True)
-            ]
-        self.calls += 1
-        assert got[0] == got[1], f"call {self.calls} for {rid} {args} {kwargs}: {got}"
-        return got[0] is not None
-
-    def each(self, rid: str, fn: Any) -> None:
-        for r in self.reqs[rid]:
-            fn(r)
-
-    def free(self, rid: str) -> None:
-        for m, r in zip(self.mgrs, self.reqs[rid], strict=True):
-            m.free(r)
 
     def check(self) -> None:
         a, b = self.mgrs
@@ -151,92 +96,12 @@ class Twins:
             assert coordinator._decode_room_asks("") == walked
 
 
-def drive(twins: Twins, seed: int, steps: int) -> None:
-    rng = random.Random(seed)
-    waiting: list[str] = []
-    n = 0
-    for _ in range(steps):
-        scheduled = False
-        for rid in [r for r, (req, _) in twins.reqs.items() if req.status == RequestStatus.RUNNING]:
-            req = twins.reqs[rid][0]
-            if req.num_computed_tokens < req.num_tokens - 1:
-                # A prefill chunk of a running request: the scheduler's call shape.
-                chunk = min(rng.choice([16, 40, 128]), req.num_tokens - req.num_computed_tokens)
-                ok = twins.allocate(rid, chunk, num_lookahead_tokens=0)
-                # The chunk that ends the prompt samples a token.
-                advance, out = chunk, int(req.num_computed_tokens + chunk == req.num_tokens)
-            else:
-                drafts = rng.choice([0, 0, 1, 2])
-                # Async scheduling: tokens of the last step not yet processed (kept out of
-                # what `remove_skipped_blocks` may free).
-                in_flight = min(rng.choice([0, 0, 1, 3]), req.num_computed_tokens)
-                twins.each(rid, lambda r, k=in_flight: setattr(r, "num_in_flight_tokens", k))
-                ok = twins.allocate(rid, 1 + drafts, num_lookahead_tokens=rng.choice([0, 0, 2]))
-                twins.each(rid, lambda r: setattr(r, "num_in_flight_tokens", 0))
-                accepted = rng.randint(0, drafts)
-                advance, out = 1 + accepted, 1 + accepted
-            if not ok:
-                twins.preempted += 1
-                twins.free(rid)
-                twins.each(
-                    rid,
-                    lambda r: (
-                        setattr(r, "status", RequestStatus.PREEMPTED),
-                        setattr(r, "num_computed_tokens", 0),
-                    ),
-                )
-                waiting.append(rid)
-                continue
-            scheduled = True
-
-            def step(r: Request, advance: int = advance, out: int = out) -> None:
-                r.num_computed_tokens += advance
-                for _ in range(out):
-                    r.append_output_token_ids(7)
-
-            twins.each(rid, step)
-            twins.outputs[rid] += out
-            if twins.outputs[rid] >= 90:
-                twins.free(rid)
-                twins.each(rid, lambda r: setattr(r, "status", RequestStatus.FINISHED_STOPPED))
-        if rng.random() < 0.35:
-            n += 1
-            rid = f"s{seed}-r{n}"
-            tokens = [rng.randrange(1, 5000) for _ in range(rng.randint(8, 300))]
-            twins.reqs[rid] = [new_request(rid, tokens, 200), new_request(rid, tokens, 200)]
-            twins.outputs[rid] = 0
-            waiting.append(rid)
-        if waiting and rng.random() < 0.6:
-            rid = waiting[0]
-            req = twins.reqs[rid][0]
-            # The first chunk of an admission (or a resumption, which recomputes).
-            first = min(
-                rng.choice([32, 64, 512]),
-                req.num_tokens - 1 if req.num_output_tokens else req.num_tokens,
-            )
-            if twins.allocate(
-                rid, first, full_sequence_must_fit=True, has_scheduled_reqs=scheduled
-            ):
-                waiting.pop(0)
-
-                def admitted(r: Request, first: int = first) -> None:
-                    r.status = RequestStatus.RUNNING
-                    r.num_computed_tokens = first
-                    if first == r.num_tokens:
-                        r.append_output_token_ids(7)
-
-                twins.each(rid, admitted)
-                if first == req.num_tokens:
-                    twins.outputs[rid] += 1
-        twins.check()
-
-
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "static"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_quiet_steps_change_nothing(layout: str, elastic: bool) -> None:
     twins = Twins(LAYOUTS[layout], elastic, SLABS.get(layout, 24))
     for seed in range(3):
-        drive(twins, seed, 150)
+        drive(twins, seed, 150, TRAFFIC)
     counted = twins.counted
     # Every path ran: quiet steps, steps that take or free a block (vLLM's path), and
     # decode steps that only take full attention blocks (`_grow_decode_step`; with a

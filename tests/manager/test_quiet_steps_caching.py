@@ -16,27 +16,24 @@ the KV-cache events, and what each manager keeps of each request (cached blocks,
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 import torch
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 from hybrid_alloc import integration
 from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
 from tests.helpers import (
-    allocate_slots_installed,
     layout_manager,
-    new_request,
     per_group_config,
     per_group_manager,
     stock_config,
 )
+from tests.manager.quiet_driver import Traffic, TwinManagers, drive
 from tests.manager.test_elastic_manager import elastic_config
-from tests.manager.test_quiet_steps import Counted, ids
 
 
 def big_attn(block: int) -> Any:
@@ -119,48 +116,12 @@ def manager_state(mgr: Any) -> list[Any]:
     return state
 
 
-class CachingTwins:
+TRAFFIC = Traffic(drafts=(0, 0, 0, 1, 2), in_flight=(0, 0, 1), finish_at=120, shared_prompts=True)
+
+
+class CachingTwins(TwinManagers):
     def __init__(self, specs: list[Any], layout: str) -> None:
-        self.mgrs = [build(specs, layout, quiet=False), build(specs, layout, quiet=True)]
-        self.counted = Counted(self.mgrs[1].coordinator._quiet_check)
-        self.mgrs[1].coordinator._quiet_check = self.counted
-        self.reqs: dict[str, list[Request]] = {}
-        self.outputs: dict[str, int] = {}
-        self.calls = 0
-        self.preempted = 0
-        self.hits = 0
-
-    def allocate(
-        self, rid: str, *args: Any, each: list[dict[str, Any]] | None = None, **kwargs: Any
-    ) -> bool:
-        got = []
-        with allocate_slots_installed():
-            for i, (m, r) in enumerate(zip(self.mgrs, self.reqs[rid], strict=True)):
-                extra = each[i] if each else {}
-                got.append(ids(m.allocate_slots(r, *args, **kwargs, **extra)))
-        self.calls += 1
-        assert got[0] == got[1], f"call {self.calls} for {rid} {args} {kwargs}: {got}"
-        return got[0] is not None
-
-    def lookup(self, rid: str) -> tuple[list[dict[str, Any]], int]:
-        found = [
-            m.get_computed_blocks(r)[:2] for m, r in zip(self.mgrs, self.reqs[rid], strict=True)
-        ]
-        (blocks_a, hit_a), (blocks_b, hit_b) = found
-        assert hit_a == hit_b, (rid, hit_a, hit_b)
-        assert blocks_a.get_block_ids() == blocks_b.get_block_ids(), rid
-        self.hits += hit_a > 0
-        return [
-            {"num_new_computed_tokens": hit, "new_computed_blocks": blocks} for blocks, hit in found
-        ], hit_a
-
-    def each(self, rid: str, fn: Any) -> None:
-        for r in self.reqs[rid]:
-            fn(r)
-
-    def free(self, rid: str) -> None:
-        for m, r in zip(self.mgrs, self.reqs[rid], strict=True):
-            m.free(r)
+        super().__init__(build(specs, layout, quiet=False), build(specs, layout, quiet=True))
 
     def check(self) -> None:
         a, b = self.mgrs
@@ -173,91 +134,12 @@ class CachingTwins:
         assert a.take_events() == b.take_events()
 
 
-def drive(twins: CachingTwins, seed: int, steps: int) -> None:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 5000) for _ in range(rng.randint(40, 260))] for _ in range(3)]
-    waiting: list[str] = []
-    n = 0
-    for _ in range(steps):
-        scheduled = False
-        for rid in [r for r, (req, _) in twins.reqs.items() if req.status == RequestStatus.RUNNING]:
-            req = twins.reqs[rid][0]
-            if req.num_computed_tokens < req.num_tokens - 1:
-                chunk = min(rng.choice([16, 40, 128]), req.num_tokens - req.num_computed_tokens)
-                ok = twins.allocate(rid, chunk, num_lookahead_tokens=0)
-                advance, out = chunk, int(req.num_computed_tokens + chunk == req.num_tokens)
-            else:
-                drafts = rng.choice([0, 0, 0, 1, 2])
-                in_flight = min(rng.choice([0, 0, 1]), req.num_computed_tokens)
-                twins.each(rid, lambda r, k=in_flight: setattr(r, "num_in_flight_tokens", k))
-                ok = twins.allocate(rid, 1 + drafts, num_lookahead_tokens=rng.choice([0, 0, 2]))
-                twins.each(rid, lambda r: setattr(r, "num_in_flight_tokens", 0))
-                accepted = rng.randint(0, drafts)
-                advance, out = 1 + accepted, 1 + accepted
-            if not ok:
-                twins.preempted += 1
-                twins.free(rid)
-                twins.each(
-                    rid,
-                    lambda r: (
-                        setattr(r, "status", RequestStatus.PREEMPTED),
-                        setattr(r, "num_computed_tokens", 0),
-                    ),
-                )
-                waiting.append(rid)
-                continue
-            scheduled = True
-
-            sampled = [rng.randrange(1, 5000) for _ in range(out)]
-
-            def step(r: Request, advance: int = advance, sampled: list[int] = sampled) -> None:
-                r.num_computed_tokens += advance
-                for token in sampled:
-                    r.append_output_token_ids(token)
-
-            twins.each(rid, step)
-            twins.outputs[rid] += out
-            if twins.outputs[rid] >= 120:
-                twins.free(rid)
-                twins.each(rid, lambda r: setattr(r, "status", RequestStatus.FINISHED_STOPPED))
-        if rng.random() < 0.35:
-            n += 1
-            rid = f"s{seed}-r{n}"
-            tokens = rng.choice(prompts) + [
-                rng.randrange(1, 5000) for _ in range(rng.randint(0, 90))
-            ]
-            twins.reqs[rid] = [new_request(rid, tokens, 200), new_request(rid, tokens, 200)]
-            twins.outputs[rid] = 0
-            waiting.append(rid)
-        if waiting and rng.random() < 0.6:
-            rid = waiting[0]
-            req = twins.reqs[rid][0]
-            each, hit = twins.lookup(rid)
-            total = req.num_tokens - 1 if req.num_output_tokens else req.num_tokens
-            first = min(rng.choice([32, 64, 512]), max(total - hit, 1))
-            if twins.allocate(
-                rid, first, each=each, full_sequence_must_fit=True, has_scheduled_reqs=scheduled
-            ):
-                waiting.pop(0)
-
-                def admitted(r: Request, first: int = first, hit: int = hit) -> None:
-                    r.status = RequestStatus.RUNNING
-                    r.num_computed_tokens = hit + first
-                    if r.num_computed_tokens == r.num_tokens:
-                        r.append_output_token_ids(7)
-
-                twins.each(rid, admitted)
-                if hit + first == req.num_tokens:
-                    twins.outputs[rid] += 1
-        twins.check()
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_caching_quiet_steps_change_nothing(case: str) -> None:
     specs, layout = CASES[case]
     twins = CachingTwins(specs, layout)
     for seed in range(3):
-        drive(twins, seed, 150)
+        drive(twins, seed, 150, TRAFFIC)
     counted = twins.counted
     assert counted.quiet > 100 and counted.not_quiet > 50, (counted.quiet, counted.not_quiet)
     assert counted.grown == 0, "caching tables leave growth to vLLM"
