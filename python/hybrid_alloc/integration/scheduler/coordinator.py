@@ -488,7 +488,7 @@ class PerGroupPoolsMixin(RunningTableMixin):
         main = min(request.num_computed_tokens, max_len) + num_new
         slots = min(main + lookahead, max_len)
         pool_set = self.pool_set
-        news = list(zip(self._group_pools, needs))
+        news = list(zip(self._group_pools, needs, strict=True))
         blocks: tuple[list[Any], ...] | None = None
         try:
             e = pool_set.elastic
