@@ -104,9 +104,10 @@ class RunningTableMixin:
     two is used. Mixed in before vLLM's class."""
 
     single_type_managers: tuple[Any, ...]
-    _grows_decode_steps = False
-    """Whether `allocate_slots_honouring_loads` may take a decode step's full-attention
-    blocks itself (`PerGroupPoolsMixin._grow_decode_step`)."""
+    _per_group_pools = False
+    """Whether this is a per-group coordinator (`PerGroupPoolsMixin`): read on the hot
+    path instead of an isinstance test; only these take a decode step's full-attention
+    blocks themselves (`PerGroupPoolsMixin._grow_decode_step`)."""
 
     def _init_running_table(self, room_pools: dict[int, int], room_tokens: int) -> None:
         running = running_requests_table(self, room_pools, room_tokens, QUIET_STEPS)
@@ -194,7 +195,7 @@ class SharedPoolHybridKVCacheCoordinator(RunningTableMixin, HybridKVCacheCoordin
 class PerGroupPoolsMixin(RunningTableMixin):
     """What the per-group coordinators add to vLLM's; mixed in before vLLM's class."""
 
-    _grows_decode_steps = True
+    _per_group_pools = True
 
     pool_set: PoolSet
     single_type_managers: tuple[Any, ...]
@@ -818,14 +819,14 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
         )
         if needs is not None:
             if not needs:
-                if coordinator._grows_decode_steps and coordinator._reservation_queries:
+                if coordinator._per_group_pools and coordinator._reservation_queries:
                     # As after any `allocate_slots` (below): the queries were for this step.
                     coordinator._reservation_queries.clear()
                 return coordinator.quiet_step_blocks
-            if coordinator._grows_decode_steps:
+            if coordinator._per_group_pools:
                 # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(self, request, args[0], lookahead, needs)
-    per_group = isinstance(coordinator, PerGroupPoolsMixin)
+    per_group = coordinator._per_group_pools
     num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
     # The tokens this call caches at least, if it succeeds (caching tables learn from
     # it whether the prompt's partial entry is registered): `allocate_slots` caches
