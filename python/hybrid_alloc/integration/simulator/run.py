@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -150,6 +150,32 @@ def run_engine(
     ``LLM.generate()`` called once per wave does). ``on_step(engine, scheduler_output)``
     runs after every step.
     """
+    return _run_to_end(
+        engine_steps(engine, requests, step_ms, waves, max_steps, on_step, step_cost)
+    )
+
+
+def _run_to_end(steps: Generator[None, None, LayoutResult]) -> LayoutResult:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            result: LayoutResult = finished.value
+            return result
+
+
+def engine_steps(
+    engine: SimEngine,
+    requests: Sequence[SimRequest],
+    step_ms: float,
+    waves: bool = False,
+    max_steps: int | None = None,
+    on_step: Callable[[SimEngine, Any], None] | None = None,
+    step_cost: StepCost | None = None,
+) -> Generator[None, None, LayoutResult]:
+    """:func:`run_engine` one step at a time: yields after every step (idle waits
+    included), returns the result. Lets :func:`simulate` run its layouts' engines
+    side by side, a few steps each in turn."""
     scheduler = engine.scheduler
     step_s = step_ms / 1000.0
     timed = step_cost is not None and not waves
@@ -303,6 +329,7 @@ def run_engine(
             on_step(engine, out)
         step += 1
         now = end
+        yield
     result.steps = step
     result.elapsed_s = now
     result.busy_steps = busy
@@ -368,12 +395,11 @@ def simulate(
     settings = replace(settings, max_model_len=max_len)
     requests, clipped = requests_from_trace(trace, settings.step_ms, max_len, settings.token_seed)
     step_cost = step_cost_for(cfg, model, settings)
-    results: dict[str, LayoutResult] = {}
-    for layout in layouts:
-        results[layout] = run_layout(
-            cfg, model, settings, layout, requests, quiet, max_steps, step_cost=step_cost
-        )
-        results[layout].clipped = clipped
+    results = run_layouts_side_by_side(
+        cfg, model, settings, layouts, requests, quiet, max_steps, step_cost
+    )
+    for result in results.values():
+        result.clipped = clipped
     return SimResult(
         model=model.name,
         settings=settings,
@@ -423,25 +449,95 @@ def run_layout(
     for layouts vLLM or this package's sizing refuses); steps cost ``step_cost`` (None:
     ``settings.step_ms`` each)."""
     with layout_installed(layout), quiet_vllm(quiet):
-        t0 = time.perf_counter()
-        try:
-            engine = build_engine(cfg, model, settings, layout)
-        except (ValueError, RuntimeError, NotImplementedError) as exc:
-            return LayoutResult(layout=layout, requests=len(requests), error=_one_line(exc))
-        build_s = time.perf_counter() - t0
+        built = _build_layout(cfg, model, settings, layout, len(requests))
+        if isinstance(built, LayoutResult):
+            return built
+        engine, build_s = built
         with engine_heap_frozen():
             result = run_engine(
                 engine, requests, settings.step_ms, waves, max_steps, on_step, step_cost
             )
-        result.build_s = build_s
-        result.note = engine.note
-        result.pools = engine.describe_pools()
-        cache = engine.vllm_config.cache_config
-        result.kv_cache_size_tokens = getattr(cache, "kv_cache_size_tokens", None)
-        result.max_concurrency = getattr(cache, "kv_cache_max_concurrency", None)
-        result.attention_block_size = cache.block_size
-        result.hash_block_size = engine.hash_block_size
-        return result
+        return _described(result, engine, build_s)
+
+
+# Steps a layout runs before the next layout's turn in :func:`run_layouts_side_by_side`:
+# a few milliseconds of scheduler work, far shorter than the bursts of machine noise the
+# turns share out, and long enough that switching hooks (about 70 us) costs little.
+STEPS_PER_TURN = 16
+
+
+def run_layouts_side_by_side(
+    cfg: Mapping[str, Any],
+    model: ModelSpec,
+    settings: SimSettings,
+    layouts: Sequence[str],
+    requests: Sequence[SimRequest],
+    quiet: bool = True,
+    max_steps: int | None = None,
+    step_cost: StepCost | None = None,
+) -> dict[str, LayoutResult]:
+    """:func:`run_layout` for every layout, the engines built first and then run in
+    turns of :data:`STEPS_PER_TURN` steps (each with its layout's hooks installed), so
+    that noise on a shared machine falls on every layout's scheduler CPU alike. Each
+    engine is its own scheduler on its own requests: the schedules and every figure but
+    the CPU and build times are those of one run after the other."""
+    results: dict[str, LayoutResult] = {}
+    running: dict[str, tuple[SimEngine, float, Generator[None, None, LayoutResult]]] = {}
+    with quiet_vllm(quiet):
+        for layout in dict.fromkeys(layouts):
+            with layout_installed(layout):
+                built = _build_layout(cfg, model, settings, layout, len(requests))
+            if isinstance(built, LayoutResult):
+                results[layout] = built
+                continue
+            engine, build_s = built
+            steps = engine_steps(
+                engine, requests, settings.step_ms, max_steps=max_steps, step_cost=step_cost
+            )
+            running[layout] = (engine, build_s, steps)
+        with engine_heap_frozen():
+            while running:
+                for layout in list(running):
+                    engine, build_s, steps = running[layout]
+                    with layout_installed(layout):
+                        for _ in range(STEPS_PER_TURN):
+                            try:
+                                next(steps)
+                            except StopIteration as finished:
+                                results[layout] = _described(finished.value, engine, build_s)
+                                del running[layout]
+                                break
+    return {layout: results[layout] for layout in layouts}
+
+
+def _build_layout(
+    cfg: Mapping[str, Any],
+    model: ModelSpec,
+    settings: SimSettings,
+    layout: str,
+    num_requests: int,
+) -> tuple[SimEngine, float] | LayoutResult:
+    """The layout's engine and the seconds it took to build, or a result carrying the
+    error for a layout vLLM or this package's sizing refuses."""
+    t0 = time.perf_counter()
+    try:
+        engine = build_engine(cfg, model, settings, layout)
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
+        return LayoutResult(layout=layout, requests=num_requests, error=_one_line(exc))
+    return engine, time.perf_counter() - t0
+
+
+def _described(result: LayoutResult, engine: SimEngine, build_s: float) -> LayoutResult:
+    """``result`` with what the engine was: its pools, notes and vLLM's sizing."""
+    result.build_s = build_s
+    result.note = engine.note
+    result.pools = engine.describe_pools()
+    cache = engine.vllm_config.cache_config
+    result.kv_cache_size_tokens = getattr(cache, "kv_cache_size_tokens", None)
+    result.max_concurrency = getattr(cache, "kv_cache_max_concurrency", None)
+    result.attention_block_size = cache.block_size
+    result.hash_block_size = engine.hash_block_size
+    return result
 
 
 def _one_line(exc: BaseException) -> str:
