@@ -113,6 +113,60 @@ def test_pd_over_nixl_on_elastic_pools(model: Path, tmp_path: Path, mode: str) -
     assert all(len(p["remote_block_ids"]) == 2 for p in params)  # one list per group
 
 
+def _nixl_and_offloading(role: str) -> list[str]:
+    """vLLM's MultiConnector of NixlConnector (``role``) and its native CPU offloading."""
+    transfer = {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"},
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 28},
+                },
+            ]
+        },
+    }
+    return ["--engine-arg", f"kv_transfer_config={json.dumps(transfer)}"]
+
+
+@pytest.mark.e2e
+@slow_e2e("P/D over a MultiConnector of NIXL and CPU offloading")
+def test_pd_over_nixl_and_offloading(model: Path, tmp_path: Path) -> None:
+    """Both sides on elastic per-group pools behind vLLM's MultiConnector of NixlConnector
+    and its CPU offloading ('align'): the tokens of the stock NIXL deployment (stock vLLM
+    cannot offload on CPU, and offloading only keeps copies), NIXL reads on the decode
+    side, blocks offloaded on both sides, and every block back. (vLLM's MultiConnector
+    completes divergent local hybrid hits only where every child can, and its offloading
+    child cannot: the decode side's local hits are vLLM's all-groups hits, none here.)"""
+    own = {
+        "prefill": _nixl_and_offloading("kv_producer"),
+        "decode": _nixl_and_offloading("kv_consumer"),
+    }
+    pd = run_pd(model, tmp_path / "pd", [*WORKLOAD, *MODES["align"]], own=own)
+    stock = stock_pd(model, tmp_path, "align")
+    prefill, decode = pd["prefill"], pd["decode"]
+    assert len(decode["prompts"]) > 2 * 4
+    assert decode["outputs"] == stock["decode"]["outputs"]
+    assert prefill["outputs"] == stock["prefill"]["outputs"]
+    for side, run in pd.items():
+        check_served_per_group(run)
+        assert run["metrics"]["offload_store_bytes"] > 0, side
+        assert run["metrics"]["finished_requests"] == len(decode["prompts"])
+        assert run["reset_prefix_cache_ok"] is True
+        for event in ("before_reset", "after_reset"):
+            assert_every_block_back(run["probe"][event], event)
+    metrics = decode["metrics"]
+    assert metrics["nixl_transfers"] == len(decode["prompts"])
+    assert metrics["external_prefix_cache_hits"] == (
+        metrics["external_prefix_cache_queries"] - len(decode["prompts"])
+    )
+    params = [p for p in prefill["kv_transfer_params"] if p]
+    assert len(params) == len(decode["prompts"])
+    assert all(len(p["remote_block_ids"]) == 2 for p in params)
+
+
 @pytest.mark.e2e
 @slow_e2e("a failed NIXL read recomputed on per-group pools")
 def test_failed_transfer_recomputes(model: Path, tmp_path: Path) -> None:

@@ -236,6 +236,32 @@ def test_unsupported_engines_fall_back() -> None:
     assert "'MySpec'" in (sizing.config_unsupported_reason(cfg) or "")
     cfg.kv_transfer_config = kv_connector("OffloadingConnector", canonical_layout=True)
     assert "canonical_layout" in (sizing.config_unsupported_reason(cfg) or "")
+    # vLLM's MultiConnector: served where every child is; else the first child refused,
+    # by its place and name, with its own reason.
+    offload = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+    }
+    nixl_child = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    cfg.kv_transfer_config = kv_connector("MultiConnector", connectors=[offload, lmcache])
+    reason = sizing.config_unsupported_reason(cfg) or ""
+    assert reason.startswith("MultiConnector child 1 ('LMCacheConnectorV1'): KV connector")
+    cfg.kv_transfer_config = kv_connector("MultiConnector", connectors=[])
+    assert "without connectors" in (sizing.config_unsupported_reason(cfg) or "")
+    cfg.kv_transfer_config = kv_connector("MultiConnector", connectors=[{"kv_role": "bad"}])
+    assert "MultiConnector child 0 (None)" in (sizing.config_unsupported_reason(cfg) or "")
+    cfg.kv_transfer_config = kv_connector("MultiConnector", connectors=[nixl_child, offload])
+    with patch.dict("os.environ", {"HYBRID_ALLOC_ELASTIC_POOLS": "1"}):
+        reason = sizing.config_unsupported_reason(cfg)
+        if versions.release().nixl_per_group:
+            assert reason is None
+        else:
+            assert (reason or "").startswith("MultiConnector child 0 ('NixlConnector'): Nixl")
+    with patch.dict("os.environ", {"HYBRID_ALLOC_ELASTIC_POOLS": "0"}):
+        reason = sizing.config_unsupported_reason(cfg) or ""
+        assert reason.startswith("MultiConnector child 0 ('NixlConnector'): NixlConnector")
 
 
 def test_gpu_worker_limits(monkeypatch: pytest.MonkeyPatch) -> None:

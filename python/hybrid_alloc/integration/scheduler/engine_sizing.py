@@ -120,22 +120,31 @@ NIXL_CONNECTOR = "NixlConnector"
 :mod:`..kv_transfer.nixl` adapts."""
 
 
+MULTI_CONNECTOR = "MultiConnector"
+"""vLLM's connector of connectors: each child is built from its own entry of
+``kv_connector_extra_config["connectors"]`` over the same pools, and each child's hooks are
+its class's, so it serves per-group pools where every child does."""
+
+
 def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = None) -> str | None:
     """Why per-group pools cannot serve the engine's KV connector (None: no connector,
-    vLLM's decode benchmark connector, its NixlConnector (:mod:`..kv_transfer.nixl`), or its native
-    offloading, ``--kv-offloading-size``, which :mod:`..kv_transfer.offload` adapts)."""
+    vLLM's decode benchmark connector, its NixlConnector (:mod:`..kv_transfer.nixl`), its
+    native offloading, ``--kv-offloading-size``, which :mod:`..kv_transfer.offload`
+    adapts, or a MultiConnector of those)."""
     if kv_transfer_config is None:
         return None
     name = kv_transfer_config.kv_connector
     if name == DECODE_BENCH_CONNECTOR:
         return None
+    if name == MULTI_CONNECTOR:
+        return _multi_connector_unsupported_reason(kv_transfer_config, vllm_config)
     if name == NIXL_CONNECTOR:
         return _nixl_unsupported_reason(kv_transfer_config, vllm_config)
     if name != "OffloadingConnector":
         return (
             f"KV connector {name!r} addresses blocks by IDs unique across groups (per-group "
-            "pools serve vLLM's NixlConnector, DecodeBenchConnector and native "
-            "OffloadingConnector, --kv-offloading-size)"
+            "pools serve vLLM's NixlConnector, DecodeBenchConnector, native "
+            "OffloadingConnector, --kv-offloading-size, and a MultiConnector of those)"
         )
     extra = kv_transfer_config.kv_connector_extra_config or {}
     spec_name = extra.get("spec_name", "CPUOffloadingSpec")
@@ -154,6 +163,29 @@ def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = 
         )
     if extra.get("canonical_layout"):
         return "the offloading connector's canonical_layout"
+    return None
+
+
+def _multi_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str | None:
+    """The first reason a child of a MultiConnector has, naming the child (its config
+    built as vLLM's MultiConnector builds it)."""
+    from vllm.config import KVTransferConfig
+
+    extra = kv_transfer_config.kv_connector_extra_config or {}
+    children = extra.get("connectors") or []
+    if not children:
+        return "MultiConnector without connectors"
+    for index, child in enumerate(children):
+        label = f"MultiConnector child {index} ({child.get('kv_connector')!r})"
+        try:
+            config = KVTransferConfig(
+                **{"engine_id": getattr(kv_transfer_config, "engine_id", None), **child}
+            )
+        except (TypeError, ValueError) as exc:
+            return f"{label}: {' '.join(str(exc).split())}"
+        reason = kv_connector_unsupported_reason(config, vllm_config)
+        if reason is not None:
+            return f"{label}: {reason}"
     return None
 
 
