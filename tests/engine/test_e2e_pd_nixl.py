@@ -168,20 +168,44 @@ def test_pd_over_nixl_and_offloading(model: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-@slow_e2e("a failed NIXL read recomputed on per-group pools")
-def test_failed_transfer_recomputes(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "connector",
+    [
+        pytest.param("nixl", marks=slow_e2e("a failed NIXL read recomputed on per-group pools")),
+        pytest.param(
+            "nixl+offloading",
+            marks=slow_e2e("a failed NIXL read behind a MultiConnector recomputed"),
+        ),
+    ],
+)
+def test_failed_transfer_recomputes(model: Path, tmp_path: Path, connector: str) -> None:
     """The decode side's first two reads fail (nothing is read into their blocks); under
     vLLM's 'recompute' policy those requests are computed again there, from the whole
     prompt, to the tokens a single stock engine gives them; the other requests get the
-    stock deployment's tokens, and the decode side gets every block back."""
-    config = {
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"hybrid_alloc_inject_transfer_failures": 2},
+    stock deployment's tokens, and the decode side gets every block back. NIXL alone
+    ('none'), and NIXL behind vLLM's MultiConnector beside CPU offloading ('align': vLLM's
+    offloading of a hybrid model needs prefix caching)."""
+    inject = {"hybrid_alloc_inject_transfer_failures": 2}
+    if connector == "nixl":
+        mode = "none"
+        config: dict[str, Any] = {
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": inject,
+        }
+        prefill: list[str] = []
+    else:
+        mode = "align"
+        transfer = json.loads(_nixl_and_offloading("kv_consumer")[1].partition("=")[2])
+        transfer["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"] = inject
+        config = {"kv_load_failure_policy": "recompute", **transfer}
+        prefill = _nixl_and_offloading("kv_producer")
+    own = {
+        "prefill": prefill,
+        "decode": ["--engine-arg", f"kv_transfer_config={json.dumps(config)}"],
     }
-    own = {"decode": ["--engine-arg", f"kv_transfer_config={json.dumps(config)}"]}
-    workload = [*WORKLOAD, *MODES["none"]]
+    workload = [*WORKLOAD, *MODES[mode]]
     pd = run_pd(model, tmp_path / "pd", workload, own=own, allow_errors=True)
-    stock = stock_pd(model, tmp_path, "none")
+    stock = stock_pd(model, tmp_path, mode)
     single = run_engines(model, tmp_path / "single", {"stock": ("vllm", False, workload)})
     decode = pd["decode"]
     check_served_per_group(decode)
