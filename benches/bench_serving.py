@@ -829,9 +829,10 @@ def _cpu_section(cells: Sequence[Cell], layouts: Sequence[str]) -> list[str]:
     )
     return [
         "Scheduler CPU time per busy step (thread CPU time of `schedule()` + "
-        "`update_from_output()`, measured by the simulator). The layouts of a cell run one "
-        "after another in one process on a shared machine (other jobs ran beside this "
-        "one), so single cells are noisy and the worst ratios are the noisiest figures; "
+        "`update_from_output()`, measured by the simulator). The layouts of a cell run side "
+        "by side in one process, taking turns of a few steps, on a shared machine (other "
+        "jobs ran beside this one): noise falls on both layouts alike, but small cells "
+        "stay the noisiest figures; "
         "the per-step cost also grows with the batch, so where two layouts ran different "
         "schedules the ratio mixes pool cost with batch size. The *same schedule* columns "
         "keep the cells where the two layouts ran steps within 1% and mean running within "

@@ -34,11 +34,16 @@
 //! as references so that each pool can live where its caller keeps it (the binding keeps
 //! one per Python object); [`ElasticPools`] owns them all.
 
-use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::byte_budget::{ByteBudget, GroupIndex, SlabId};
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, GroupPool, NULL_BLOCK_ID};
+
+/// Slabs a step holds or counts on (FxHash: a plan looks them up per page).
+pub type SlabSet = FxHashSet<SlabId>;
 
 /// What one group asks of a step: prefix-cache hits it takes a reference to, and new pages.
 #[derive(Debug, Clone, Default)]
@@ -182,20 +187,22 @@ struct Lending {
 struct Virtual<'a> {
     budget: &'a ByteBudget,
     pools: &'a [&'a GroupPool],
-    /// Per group: pages virtually taken out of the free queue (hits or allocations).
-    taken: Vec<HashSet<BlockId>>,
+    /// Per group: prefix hits virtually taken out of the free queue, wherever they are
+    /// in it. Pages the walks take need no set: they lie before the group's cursor, and
+    /// no walk looks there again.
+    hit_pages: Vec<FxHashSet<BlockId>>,
     /// Per group: free pages still in the virtual queue.
     free: Vec<usize>,
     /// Per group: the next queue page not yet looked at (None: the end).
     cursor: Vec<Option<BlockId>>,
     /// Live pages added per slab.
-    pinned: HashMap<SlabId, u32>,
+    pinned: FxHashMap<SlabId, u32>,
     /// Live pages added per group.
     pinned_pages: Vec<u64>,
     /// Slabs virtually lent (unowned before, or taken back): never idle within the step.
-    lent: HashSet<SlabId>,
+    lent: SlabSet,
     /// Slabs virtually taken back: their pages are gone from their owner's queue.
-    reclaimed: HashSet<SlabId>,
+    reclaimed: SlabSet,
     unowned_used: usize,
     /// Per group: pages of slabs lent in this step that its allocations have not popped
     /// yet. A lent slab's pages all go to the front of the queue, so a later allocation
@@ -205,11 +212,13 @@ struct Virtual<'a> {
 
 impl Virtual<'_> {
     fn gone(&self, g: GroupIndex, page: BlockId) -> bool {
-        self.taken[g].contains(&page)
-            || self
-                .budget
-                .slab_of(g, page)
-                .is_some_and(|s| self.reclaimed.contains(&s))
+        // Both sets are empty in most steps: no hashing, no slab division, then.
+        (!self.hit_pages[g].is_empty() && self.hit_pages[g].contains(&page))
+            || (!self.reclaimed.is_empty()
+                && self
+                    .budget
+                    .slab_of(g, page)
+                    .is_some_and(|s| self.reclaimed.contains(&s)))
     }
 
     /// Up to `n` pages from the front of `g`'s virtual queue, stopping at the first cached
@@ -218,6 +227,10 @@ impl Virtual<'_> {
         let pool = self.pools[g];
         let mut at = self.cursor[g];
         let mut count = 0;
+        // The slab of the pages pinned last, its pages and how many of them this walk
+        // pinned so far: pages taken in a row mostly share a slab (a lent slab's pages
+        // enter the queue together), so the map is touched once per slab, not per page.
+        let mut run: Option<(SlabId, Range<BlockId>, u32)> = None;
         while count < n {
             let Some(p) = at else { break };
             at = pool.queue().next_of(p);
@@ -229,14 +242,24 @@ impl Virtual<'_> {
             }
             count += 1;
             if take {
-                self.taken[g].insert(p);
                 self.free[g] = self.free[g].saturating_sub(1);
                 self.pinned_pages[g] += 1;
-                if let Some(s) = self.budget.slab_of(g, p) {
-                    *self.pinned.entry(s).or_insert(0) += 1;
+                match &mut run {
+                    Some((_, pages, k)) if pages.contains(&p) => *k += 1,
+                    _ => {
+                        if let Some(s) = self.budget.slab_of(g, p) {
+                            if let Some((done, _, k)) = run.take() {
+                                *self.pinned.entry(done).or_insert(0) += k;
+                            }
+                            run = Some((s, self.budget.pages_in(g, s), 1));
+                        }
+                    }
                 }
                 self.cursor[g] = at;
             }
+        }
+        if let Some((done, _, k)) = run {
+            *self.pinned.entry(done).or_insert(0) += k;
         }
         count
     }
@@ -373,18 +396,18 @@ impl Virtual<'_> {
 fn new_virtual<'a>(
     budget: &'a ByteBudget,
     pools: &'a [&'a GroupPool],
-    reserved: &HashSet<SlabId>,
+    reserved: &SlabSet,
 ) -> Virtual<'a> {
     Virtual {
         budget,
         pools,
-        taken: vec![HashSet::new(); pools.len()],
+        hit_pages: vec![FxHashSet::default(); pools.len()],
         free: pools.iter().map(|p| p.num_free()).collect(),
         cursor: pools.iter().map(|p| p.queue().front()).collect(),
-        pinned: HashMap::new(),
+        pinned: FxHashMap::default(),
         pinned_pages: vec![0; pools.len()],
         lent: reserved.clone(),
-        reclaimed: HashSet::new(),
+        reclaimed: SlabSet::default(),
         unowned_used: 0,
         spare: vec![0; pools.len()],
     }
@@ -416,7 +439,7 @@ pub fn plan(
     }
     let hits: Vec<&[BlockId]> = asks.iter().map(|a| a.hits.as_slice()).collect();
     let news: Vec<(GroupIndex, usize)> = asks.iter().map(|a| a.new).enumerate().collect();
-    plan_steps(budget, pools, &hits, &news, &HashSet::new())
+    plan_steps(budget, pools, &hits, &news, &SlabSet::default())
 }
 
 /// [`plan`] for a step whose allocations come in a given order: `hits[g]` are taken first
@@ -428,7 +451,7 @@ pub fn plan_steps(
     pools: &[&GroupPool],
     hits: &[&[BlockId]],
     news: &[(GroupIndex, usize)],
-    reserved: &HashSet<SlabId>,
+    reserved: &SlabSet,
 ) -> Result<Result<(), Shortfall>, PoolError> {
     Ok(walk_steps(budget, pools, hits, news, reserved, true)?.map(|_| ()))
 }
@@ -437,7 +460,7 @@ pub fn plan_steps(
 /// the slabs the step counts on (lent, or holding pages it takes).
 struct StepLending {
     lendings: Vec<(GroupIndex, Lending)>,
-    holds: HashSet<SlabId>,
+    holds: SlabSet,
 }
 
 /// The policy for a whole step on a virtual copy. `count_last`: the last allocation is
@@ -448,7 +471,7 @@ fn walk_steps(
     pools: &[&GroupPool],
     hits: &[&[BlockId]],
     news: &[(GroupIndex, usize)],
-    reserved: &HashSet<SlabId>,
+    reserved: &SlabSet,
     count_last: bool,
 ) -> Result<Result<StepLending, Shortfall>, PoolError> {
     check_pools(budget, pools.len())?;
@@ -470,7 +493,7 @@ fn walk_steps(
     let mut v = new_virtual(budget, pools, reserved);
     for (g, ids) in hits.iter().enumerate() {
         for &p in ids.iter() {
-            if p != NULL_BLOCK_ID && pools[g].ref_cnt(p) == 0 && v.taken[g].insert(p) {
+            if p != NULL_BLOCK_ID && pools[g].ref_cnt(p) == 0 && v.hit_pages[g].insert(p) {
                 v.free[g] = v.free[g].saturating_sub(1);
                 v.pinned_pages[g] += 1;
                 if let Some(s) = budget.slab_of(g, p) {
@@ -491,7 +514,7 @@ fn walk_steps(
             Err(missing) => return Ok(Err(Shortfall { group: g, missing })),
         }
     }
-    let mut holds: HashSet<SlabId> = v.lent;
+    let mut holds: SlabSet = v.lent;
     holds.extend(v.pinned.keys().copied());
     Ok(Ok(StepLending { lendings, holds }))
 }
@@ -540,7 +563,7 @@ pub fn prepare(
     pools: &mut [&mut GroupPool],
     g: GroupIndex,
     n: usize,
-    reserved: &HashSet<SlabId>,
+    reserved: &SlabSet,
     mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
 ) -> Result<Vec<TakenBack>, PoolError> {
     check_pools(budget, pools.len())?;
@@ -570,7 +593,7 @@ pub fn allocate<T, R: FnMut(GroupIndex, BlockId, &[u8])>(
     pools: &mut [&mut GroupPool],
     g: GroupIndex,
     n: usize,
-    reserved: &HashSet<SlabId>,
+    reserved: &SlabSet,
     mut removed: R,
     pop: impl FnOnce(&mut GroupPool, &mut R) -> Result<T, PoolError>,
 ) -> Result<(T, Vec<TakenBack>), PoolError> {
@@ -593,7 +616,7 @@ pub fn reserve_steps(
     pools: &mut [&mut GroupPool],
     hits: &[&[BlockId]],
     news: &[(GroupIndex, usize)],
-    reserved: &mut HashSet<SlabId>,
+    reserved: &mut SlabSet,
     mut removed: impl FnMut(GroupIndex, BlockId, &[u8]),
 ) -> Result<Result<Vec<TakenBack>, Shortfall>, PoolError> {
     let planned = {
@@ -670,7 +693,7 @@ fn check_group(
     budget: &ByteBudget,
     g: GroupIndex,
     pool: &GroupPool,
-    live: &mut HashMap<SlabId, u32>,
+    live: &mut FxHashMap<SlabId, u32>,
 ) -> Result<(), String> {
     pool.check_invariants()
         .map_err(|e| format!("group {g}: {e}"))?;
@@ -698,7 +721,7 @@ fn check_group(
 /// Check every pool, the budget, and that they agree (live pages per slab).
 pub fn check_invariants(budget: &ByteBudget, pools: &[&GroupPool]) -> Result<(), String> {
     budget.check_invariants()?;
-    let mut live: HashMap<SlabId, u32> = HashMap::new();
+    let mut live: FxHashMap<SlabId, u32> = FxHashMap::default();
     for (g, pool) in pools.iter().enumerate() {
         check_group(budget, g, pool, &mut live)?;
     }
@@ -721,7 +744,7 @@ pub struct ElasticPools {
     budget: ByteBudget,
     pools: Vec<GroupPool>,
     /// Slabs the step being served holds (see [`reserve_steps`]); empty between steps.
-    reserved: HashSet<SlabId>,
+    reserved: SlabSet,
 }
 
 impl ElasticPools {
@@ -745,7 +768,7 @@ impl ElasticPools {
         Ok(ElasticPools {
             budget,
             pools,
-            reserved: HashSet::new(),
+            reserved: SlabSet::default(),
         })
     }
 
@@ -1189,7 +1212,7 @@ mod tests {
         let e = ElasticPools::new(72, 4, &[8, 72], true, 16).unwrap();
         let refs = e.refs();
         let plan = |news: &[(GroupIndex, usize)]| {
-            plan_steps(e.budget(), &refs, &[&[], &[]], news, &HashSet::new())
+            plan_steps(e.budget(), &refs, &[&[], &[]], news, &SlabSet::default())
                 .unwrap()
                 .is_ok()
         };
@@ -1234,7 +1257,7 @@ mod tests {
                 let fits = {
                     let refs = e.refs();
                     let no_hits: Vec<&[BlockId]> = vec![&[]; groups];
-                    plan_steps(e.budget(), &refs, &no_hits, &news, &HashSet::new())
+                    plan_steps(e.budget(), &refs, &no_hits, &news, &SlabSet::default())
                         .unwrap()
                         .is_ok()
                 };
@@ -1287,11 +1310,18 @@ mod tests {
                 news.push((last, (lcg(&mut rng) % 40) as usize));
                 let no_hits: Vec<&[BlockId]> = vec![&[]; groups];
                 let refs = e.refs();
-                let walked = walk_steps(e.budget(), &refs, &no_hits, &news, &HashSet::new(), false)
-                    .unwrap()
-                    .map(|_| ());
+                let walked = walk_steps(
+                    e.budget(),
+                    &refs,
+                    &no_hits,
+                    &news,
+                    &SlabSet::default(),
+                    false,
+                )
+                .unwrap()
+                .map(|_| ());
                 let counted =
-                    plan_steps(e.budget(), &refs, &no_hits, &news, &HashSet::new()).unwrap();
+                    plan_steps(e.budget(), &refs, &no_hits, &news, &SlabSet::default()).unwrap();
                 assert_eq!(counted, walked, "{news:?}");
                 if walked.is_ok() {
                     fits += 1;
@@ -1412,7 +1442,7 @@ mod tests {
             &mut refs,
             1,
             1,
-            &HashSet::new(),
+            &SlabSet::default(),
             |_, _, _| {},
         )
         .unwrap();
@@ -1436,7 +1466,7 @@ mod tests {
             &mut refs,
             0,
             2,
-            &HashSet::new(),
+            &SlabSet::default(),
             |_, _, _| {},
         )
         .unwrap();

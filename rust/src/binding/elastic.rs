@@ -5,10 +5,9 @@
 
 use super::convert::pool_error;
 use super::pool::NativeBlockPool;
-use std::collections::HashSet;
 
-use crate::byte_budget::{ByteBudget, GroupIndex, SlabId};
-use crate::elastic::{self, TakenBack};
+use crate::byte_budget::{ByteBudget, GroupIndex};
+use crate::elastic::{self, SlabSet, TakenBack};
 use crate::error::PoolError;
 use crate::group_pool::{BlockId, GroupPool};
 use crate::reuse::ReuseWatchers;
@@ -30,7 +29,7 @@ pub struct NativeElasticPools {
     pools: Vec<Option<Py<NativeBlockPool>>>,
     label: String,
     /// Slabs the step being served holds (`reserve` .. `end_step`).
-    reserved: HashSet<SlabId>,
+    reserved: SlabSet,
 }
 
 impl NativeElasticPools {
@@ -101,7 +100,7 @@ impl NativeElasticPools {
         op: impl FnOnce(
             &mut ByteBudget,
             &mut [&mut NativeBlockPool],
-            &mut HashSet<SlabId>,
+            &mut SlabSet,
             &mut dyn FnMut(GroupIndex, BlockId, &[u8]),
         ) -> Result<(T, Vec<TakenBack>), PoolError>,
     ) -> PyResult<T> {
@@ -118,7 +117,7 @@ impl NativeElasticPools {
         op: impl FnOnce(
             &mut ByteBudget,
             &mut [&mut NativeBlockPool],
-            &mut HashSet<SlabId>,
+            &mut SlabSet,
             &mut dyn FnMut(GroupIndex, BlockId, &[u8]),
         ) -> Result<(T, Vec<TakenBack>), PoolError>,
     ) -> PyResult<(T, PyResult<()>)> {
@@ -259,7 +258,7 @@ impl NativeElasticPools {
             budget,
             pools,
             label,
-            reserved: HashSet::new(),
+            reserved: SlabSet::default(),
         })
     }
 
