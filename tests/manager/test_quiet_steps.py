@@ -100,9 +100,24 @@ class Twins(TwinManagers):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_quiet_steps_change_nothing(layout: str, elastic: bool) -> None:
     twins = Twins(LAYOUTS[layout], elastic, SLABS.get(layout, 24))
+    # Elastic pools take a growing step's pages in one call where every growing manager
+    # is vLLM's base allocator (`_grows_in_place`): count the steps that did.
+    coordinator = twins.mgrs[1].coordinator
+    in_place = 0
+    checked = coordinator._grows_in_place
+
+    def counting(*args: Any) -> bool:
+        nonlocal in_place
+        answer: bool = checked(*args)
+        in_place += answer
+        return answer
+
+    coordinator._grows_in_place = counting
     for seed in range(3):
         drive(twins, seed, 150, TRAFFIC)
     counted = twins.counted
+    if elastic and "swa" not in layout:
+        assert in_place > 20, in_place
     # Every path ran: quiet steps, steps that take or free a block (vLLM's path), and
     # decode steps that only take full attention blocks (`_grow_decode_step`; with a
     # sliding window of the same block size, the window's group grows on the same steps,

@@ -142,6 +142,35 @@ class ElasticMachine(CountingMachine):
         self.next_id += 1
 
     @precondition(lambda self: self.requests)
+    @rule(data=st.data(), sizes=st.lists(st.integers(0, 4), min_size=3, max_size=3))
+    @stepping
+    def grow(self, data: st.DataObject, sizes: list[int]) -> None:
+        """A running request's decode step that takes new pages only, in one call
+        (`grow`): refused exactly when the primary group's count or the plan refuses it,
+        then nothing changed; else reserved, each group's pages taken in order."""
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        primary = data.draw(st.sampled_from(self.groups))
+        news = [(g, sizes[g]) for g in self.groups]
+        before = _state(self.elastic, self.pools)
+        counted = self.elastic.num_free_for(primary)
+        pool, e = self.pools[primary], self.elastic
+        others = e.num_fully_free - e.num_idle(primary)
+        assert counted == pool.get_num_free_blocks() + others * e.pages_per_slab(primary)
+        refused = sizes[primary] > counted or self.elastic.plan([[]] * len(self.groups), news)
+        got = self.elastic.grow(news, primary, sizes[primary])
+        if refused:
+            assert got is None
+            assert _state(self.elastic, self.pools) == before, "a refused grow changed"
+            return
+        assert got is not None, "planned and counted, then not grown"
+        assert [len(blocks) for blocks in got] == [n for _, n in news]
+        for g, blocks in enumerate(got):
+            self.requests[rid][g].extend(blocks)
+        self.elastic.end_step()
+        assert self.elastic.num_reserved == 0
+        self.drain_events()
+
+    @precondition(lambda self: self.requests)
     @rule(data=st.data())
     @stepping
     def cache(self, data: st.DataObject) -> None:
@@ -149,7 +178,9 @@ class ElasticMachine(CountingMachine):
         g = data.draw(st.sampled_from(self.groups))
         blocks = self.requests[rid][g]
         done = self.cached[(rid, g)]
-        upto = data.draw(st.integers(done, len(blocks)))
+        # Blocks a decode step added (`grow`) past the prompt's hashes stay uncached.
+        full = min(len(blocks), len(self.reqs[rid].block_hashes))
+        upto = data.draw(st.integers(min(done, full), full))
         self.pools[g].cache_full_blocks(self.reqs[rid], blocks, done, upto, BS, g)
         self.cached[(rid, g)] = max(done, upto)
         self.drain_events()
@@ -276,6 +307,26 @@ def test_attach_refuses_what_does_not_fit() -> None:
         elastic.attach(2, BlockPool(4, True, BS))
     with pytest.raises(RuntimeError, match="group 0 has no pool attached"):
         elastic.plan([[], []], [(0, 1)])
+
+
+def test_grow_refuses_bad_input_naming_the_group() -> None:
+    elastic = NativeElasticPools(64, 4, [16, 64], label="budget-a")
+    pools = [BlockPool(elastic.num_pages(g), True, BS, label=f"g{g}") for g in (0, 1)]
+    for g, pool in enumerate(pools):
+        elastic.attach(g, pool)
+    before = _state(elastic, pools)
+    with pytest.raises(ValueError, match="group 2 is not in this byte budget"):
+        elastic.grow([(0, 1), (2, 1)], 0, 1)
+    with pytest.raises(ValueError, match="budget-a: group -1 is not a group"):
+        elastic.grow([(0, 1)], -1, 1)
+    with pytest.raises(ValueError, match="group 5 is not in this byte budget"):
+        elastic.num_free_for(5)
+    assert elastic.grow([(0, 2**40)], 0, 0) is None, "more pages than the budget holds"
+    assert _state(elastic, pools) == before, "a refused call changed the pools"
+    got = elastic.grow([(0, 3), (1, 1)], 0, 3)
+    assert got is not None and [len(b) for b in got] == [3, 1]
+    elastic.end_step()
+    elastic.check_invariants()
 
 
 def test_taking_a_slab_back_tells_reuse_watchers_and_observers() -> None:

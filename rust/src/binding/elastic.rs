@@ -13,6 +13,7 @@ use crate::group_pool::{BlockId, GroupPool};
 use crate::reuse::ReuseWatchers;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 use pyo3::{PyTraverseError, PyVisit};
 
 use super::convert::RemovedKeys;
@@ -341,6 +342,67 @@ impl NativeElasticPools {
                 },
             )
         })
+    }
+
+    /// What group `group`'s pool could have now: its free blocks, and the pages of every
+    /// slab no page pins that it does not own yet (its own idle slabs' pages are among
+    /// its free blocks already). Shared by every group: a plan decides, this bounds it;
+    /// it is the one free count vLLM's `allocate_slots` compares a step's blocks with.
+    fn num_free_for(slf: &Bound<'_, Self>, group: i64) -> PyResult<u64> {
+        let py = slf.py();
+        let this = slf.try_borrow()?;
+        let g = this.group(group)?;
+        let pool = this.attached(py)?.swap_remove(g);
+        let free = pool.bind(py).try_borrow()?.core.num_free() as u64;
+        let budget = &this.budget;
+        let others = budget.num_fully_free() - budget.num_idle(g);
+        Ok(free + u64::from(others) * u64::from(budget.pages_per_slab(g)))
+    }
+
+    /// A running request's decode step that takes pages only (`news`: (group, new pages)
+    /// in the order the groups allocate), in one call: refused (None, nothing changed)
+    /// when more than `num_free_for(primary)` pages are asked of the primary group's
+    /// groups (`primary_need`: vLLM's own comparison) or when the step does not fit
+    /// (`reserve`'s plan); else the step is reserved and each entry's pages are taken
+    /// from its group's pool (as `get_new_blocks`), one list of handles per entry. The
+    /// reservation lasts until `end_step`.
+    fn grow<'py>(
+        slf: &Bound<'py, Self>,
+        news: Vec<(i64, usize)>,
+        primary: i64,
+        primary_need: u64,
+    ) -> PyResult<Option<Vec<Bound<'py, PyList>>>> {
+        let py = slf.py();
+        if primary_need > Self::num_free_for(slf, primary)? {
+            return Ok(None);
+        }
+        let no_hits: Vec<Bound<'_, PyAny>> = Vec::new();
+        let (_, groups) = Self::step_args(slf, &no_hits, news)?;
+        let none: Vec<&[BlockId]> = vec![&[]; slf.try_borrow()?.pools.len()];
+        let short = Self::with_pools(slf, |budget, pools, reserved, removed| {
+            let mut cores: Vec<&mut GroupPool> = pools.iter_mut().map(|p| &mut p.core).collect();
+            Ok(
+                match elastic::reserve_steps(budget, &mut cores, &none, &groups, reserved, removed)?
+                {
+                    Ok(taken) => (false, taken),
+                    Err(_) => (true, Vec::new()),
+                },
+            )
+        })?;
+        if short {
+            return Ok(None);
+        }
+        let pools = slf.try_borrow()?.attached(py)?;
+        let mut lists = Vec::with_capacity(groups.len());
+        for (g, n) in groups {
+            if n == 0 {
+                lists.push(PyList::empty(py));
+                continue;
+            }
+            let count = n.into_pyobject(py)?.into_any();
+            lists.push(NativeBlockPool::get_new_blocks(pools[g].bind(py), &count)?);
+        }
+        Ok(Some(lists))
     }
 
     /// The reserved step is over: its slabs may be taken back again.

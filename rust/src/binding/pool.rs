@@ -499,7 +499,7 @@ impl NativeBlockPool {
 
     /// Take `num_blocks` blocks from the front of the free queue (evicting their cached
     /// hashes) and give each one reference.
-    fn get_new_blocks<'py>(
+    pub(crate) fn get_new_blocks<'py>(
         slf: &Bound<'py, Self>,
         num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {

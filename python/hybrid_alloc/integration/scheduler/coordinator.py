@@ -43,6 +43,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
+    SingleTypeKVCacheManager,
 )
 from vllm.v1.request import RequestStatus
 
@@ -94,6 +95,15 @@ def uncounted_loaded_blocks(
         return 0
     held = max(skipped // manager.block_size, len(hits))
     return max(0, -(-total_computed_tokens // manager.block_size) - held)
+
+
+def _grows_as_vllm_base(manager: Any) -> bool:
+    """Whether ``manager`` allocates new blocks with vLLM's base
+    ``SingleTypeKVCacheManager.allocate_new_blocks`` (full attention on vLLM 0.32 and
+    0.33), keeping the state that method reads and extends."""
+    base = SingleTypeKVCacheManager.allocate_new_blocks
+    state = ("req_to_blocks", "_partial_hit_reqs", "_record_new_block_ids", "new_block_ids")
+    return type(manager).allocate_new_blocks is base and all(hasattr(manager, n) for n in state)
 
 
 class RunningTableMixin:
@@ -234,6 +244,7 @@ class PerGroupPoolsMixin(RunningTableMixin):
             g for g, idx in enumerate(self._group_pools) if idx == pool_set.primary_index
         ]
         self._no_hits: tuple[tuple[()], ...] = tuple(() for _ in range(len(pool_set)))
+        self._plain_growers = [_grows_as_vllm_base(m) for m in self.single_type_managers]
         self._max_model_len = max_model_len
         # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
         # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
@@ -493,10 +504,27 @@ class PerGroupPoolsMixin(RunningTableMixin):
         blocks: tuple[list[Any], ...] | None = None
         try:
             e = pool_set.elastic
+            managers = self.single_type_managers
+            if e is not None and self._grows_in_place(request_id, slots, needs):
+                # vLLM's two refusals (the primary pool's count as vLLM compares it, then
+                # the plan, which reserves the step before it lends anything), then each
+                # group's pages, in one call; the managers' tables are extended as their
+                # `allocate_new_blocks` would (checked to take the same counts).
+                grown = e.grow(
+                    news, pool_set.primary_index, sum(needs[g] for g in self._primary_groups)
+                )
+                if grown is None:
+                    return None
+                for g, new in enumerate(grown):
+                    if new:
+                        manager = managers[g]
+                        manager.req_to_blocks[request_id].extend(new)
+                        if manager._record_new_block_ids:
+                            manager.new_block_ids.extend(b.block_id for b in new)
+                blocks = tuple(grown)
+                return kv_manager.create_kv_cache_blocks(blocks)
             if e is not None:
-                # vLLM's two refusals (neither changes anything, so their order does not
-                # matter): the primary pool's count as vLLM compares it, then the plan,
-                # which `reserve` runs before it lends the step anything.
+                # The same two refusals, then vLLM's managers take the pages.
                 if (
                     sum(needs[g] for g in self._primary_groups) > pool_set.get_num_free_blocks()
                     or e.reserve(self._no_hits, news) is not None
@@ -508,7 +536,6 @@ class PerGroupPoolsMixin(RunningTableMixin):
                     need[idx] += n
                 if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
                     return None
-            managers = self.single_type_managers
             blocks = tuple(
                 managers[g].allocate_new_blocks(request_id, slots, main) if n else []
                 for g, n in enumerate(needs)
@@ -525,6 +552,27 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 else:
                     self._sync_running(request, room)
         return kv_manager.create_kv_cache_blocks(blocks)
+
+    def _grows_in_place(self, request_id: str, slots: int, needs: Sequence[int]) -> bool:
+        """Whether every manager that takes blocks in this decode step is one whose
+        ``allocate_new_blocks`` is vLLM's base method (`_plain_growers`), with no partial
+        hit to copy for the request, and would take exactly ``needs[g]`` blocks for
+        ``slots`` token slots: then the step's pages can be taken in one call to the
+        pools and appended where that method appends them."""
+        plain = self._plain_growers
+        managers = self.single_type_managers
+        for g, n in enumerate(needs):
+            if not n:
+                continue
+            if not plain[g]:
+                return False
+            manager = managers[g]
+            if request_id in manager._partial_hit_reqs:
+                return False
+            held = len(manager.req_to_blocks[request_id])
+            if -(-slots // manager.block_size) - held != n:
+                return False
+        return True
 
     def _reservation_query(self, request_id: str, news: list[tuple[int, int]]) -> int:
         """What an in-flight prefill still needs, in vLLM's units: primary-pool pages of

@@ -149,16 +149,12 @@ class PoolSet:
         refuses, before that comparison, any allocation another pool cannot hold.
         """
         idx = self.primary_index if pool_index is None else pool_index
-        pool = self.pools[idx]
         if self.elastic is not None:
             # What this pool could have now: its free blocks and the pages of any slab no
-            # block pins that it does not own yet (its own idle slabs' pages are among its
-            # free blocks already; shared by every pool: the coordinator's plan decides,
-            # this bounds it).
-            e = self.elastic
-            others = e.num_fully_free - e.num_idle(idx)
-            return pool.get_num_free_blocks() + others * e.pages_per_slab(idx)
-        return pool.get_num_free_blocks()
+            # block pins that it does not own yet (shared by every pool: the
+            # coordinator's plan decides, this bounds it), counted in one core call.
+            return self.elastic.num_free_for(idx)
+        return self.pools[idx].get_num_free_blocks()
 
     def free_counts(self) -> tuple[int, ...]:
         return tuple(pool.get_num_free_blocks() for pool in self.pools)
