@@ -380,7 +380,7 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         description="Run vLLM's own scheduler, KV-cache manager and block pools, no model, "
         "on a request trace, once per layout: stock vLLM and, by default, elastic per-group "
         "pools (the engine's default with this package installed), the layouts' engines "
-        "taking turns of a few steps so that machine noise hits their CPU times alike. "
+        "taking turns of a few hundred steps so that machine noise hits their CPU times alike. "
         "Each step costs what it computes on one H100 (--time-model h100: prompt "
         "chunks, recompute after preemption, decodes, KV context and Mamba states read) "
         "or a fixed --step-ms (--time-model fixed, for scheduler-cost comparisons).",

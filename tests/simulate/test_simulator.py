@@ -465,12 +465,17 @@ def test_quiet_steps_schedule_alike(layout: str, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("mode", ["none", "align"])
-def test_side_by_side_runs_are_the_runs_one_after_the_other(mode: str) -> None:
+def test_side_by_side_runs_are_the_runs_one_after_the_other(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`simulate` runs its layouts' engines in turns (so noise falls on every layout's CPU
     time alike); every figure but the timings, the per-step series included, is what each
-    layout's run alone gives, on memory tight enough to preempt and with prefix caching."""
+    layout's run alone gives, on memory tight enough to preempt and with prefix caching.
+    Short turns here, so that this small trace switches engines many times."""
     sim = _sim()
     from hybrid_alloc.integration.simulator import run as sim_run
+
+    monkeypatch.setattr(sim_run, "STEPS_PER_TURN", 7)
 
     rng = random.Random(11)
     trace = Trace(

@@ -64,7 +64,7 @@ What is vLLM's real code and what is not:
   later).
 
 Every layout's engine is built in this process, then the engines run side by side, a few
-steps each in turn with their layout's hooks installed (``run.STEPS_PER_TURN``), so that
+hundred steps each in turn with their layout's hooks installed (``run.STEPS_PER_TURN``), so that
 bursts of noise on a shared machine fall on every layout's scheduler CPU time alike (run
 one after the other, a burst during one layout's run read as that layout being slower);
 each engine schedules its own copy of the requests, so every other figure is that of the
