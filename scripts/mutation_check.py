@@ -188,10 +188,12 @@ MUTANTS = (
         "decode-growth-unplanned",
         "a decode step that only takes full-attention pages skips the elastic plan (it "
         "takes pages the budget had promised elsewhere, or runs the budget dry)",
-        "python/hybrid_alloc/integration/scheduler/coordinator.py",
-        "                    or e.reserve(self._no_hits, news) is not None\n",
-        "                    or e.reserve(self._no_hits, []) is not None\n",
-        ("tests/manager/test_quiet_steps.py",),
+        "rust/src/binding/elastic.rs",
+        "match elastic::reserve_steps(budget, &mut cores, &none, &groups, reserved, removed)?",
+        "match elastic::reserve_steps(budget, &mut cores, &none, &[], reserved, removed)?",
+        # Decode growth in one core call (`NativeElasticPools.grow`): vLLM's whole
+        # `allocate_slots` refuses where the mutant raises, and the machine's `grow` rule.
+        ("tests/manager/test_quiet_steps.py", "tests/pool_set/test_elastic_pools.py"),
     ),
     Mutant(
         "grown-keeps-old-counts",
