@@ -320,17 +320,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(header)
     base = timings.get("stock")
-    steps = args.decode_steps
 
-    def whole_mix(t: Timings) -> float:
-        """The mix's KV work: prefill, every decode step (at the median step), free."""
+    def medians(t: Timings) -> tuple[float, float, float]:
         pre, dec, fre = (statistics.median(v) for v in (t.prefill_s, t.decode_step_s, t.free_s))
-        return pre + steps * dec + fre
+        return pre, dec, fre
 
+    def whole_mix(pre: float, dec: float, fre: float) -> float:
+        """The mix's KV work: prefill, every decode step (at the median step), free."""
+        return pre + args.decode_steps * dec + fre
+
+    base_mix = whole_mix(*medians(base)) if base else None
     for name in names:
         t = timings[name]
-        pre, dec, fre = (statistics.median(v) for v in (t.prefill_s, t.decode_step_s, t.free_s))
-        mix = f"{whole_mix(base) / whole_mix(t):.2f}x" if base else "-"
+        pre, dec, fre = medians(t)
+        mix = f"{base_mix / whole_mix(pre, dec, fre):.2f}x" if base_mix else "-"
 
         def ratio(stock_values: list[float] | None, ours: float) -> str:
             return f"{statistics.median(stock_values) / ours:.2f}x" if stock_values else "-"

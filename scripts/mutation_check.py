@@ -189,8 +189,8 @@ MUTANTS = (
         "a decode step that only takes full-attention pages skips the elastic plan (it "
         "takes pages the budget had promised elsewhere, or runs the budget dry)",
         "rust/src/binding/elastic.rs",
-        "match elastic::reserve_steps(budget, &mut cores, &none, &groups, reserved, removed)?",
-        "match elastic::reserve_steps(budget, &mut cores, &none, &[], reserved, removed)?",
+        "        if Self::reserve_checked(slf, &no_hits, &groups)?.is_some() {",
+        "        if Self::reserve_checked(slf, &no_hits, &[])?.is_some() {",
         # Decode growth in one core call (`NativeElasticPools.grow`): vLLM's whole
         # `allocate_slots` refuses where the mutant raises, and the machine's `grow` rule.
         ("tests/manager/test_quiet_steps.py", "tests/pool_set/test_elastic_pools.py"),

@@ -195,6 +195,24 @@ impl NativeElasticPools {
         elastic::check_lent(&self.budget, g, id, op)
     }
 
+    /// [`elastic::reserve_steps`] over the attached pools, arguments converted and
+    /// checked: None if reserved, else (group, blocks missing) and nothing changed.
+    fn reserve_checked(
+        slf: &Bound<'_, Self>,
+        hits: &[&[BlockId]],
+        news: &[(GroupIndex, usize)],
+    ) -> PyResult<Option<(usize, usize)>> {
+        Self::with_pools(slf, |budget, pools, reserved, removed| {
+            let mut cores: Vec<&mut GroupPool> = pools.iter_mut().map(|p| &mut p.core).collect();
+            Ok(
+                match elastic::reserve_steps(budget, &mut cores, hits, news, reserved, removed)? {
+                    Ok(taken) => (None, taken),
+                    Err(short) => (Some((short.group, short.missing)), Vec::new()),
+                },
+            )
+        })
+    }
+
     /// Hit IDs per group and (group, count) allocations, converted and checked.
     #[allow(clippy::type_complexity)]
     fn step_args(
@@ -331,17 +349,7 @@ impl NativeElasticPools {
     ) -> PyResult<Option<(usize, usize)>> {
         let (hit_ids, news) = Self::step_args(slf, &hits, news)?;
         let hit_refs: Vec<&[BlockId]> = hit_ids.iter().map(Vec::as_slice).collect();
-        Self::with_pools(slf, |budget, pools, reserved, removed| {
-            let mut cores: Vec<&mut GroupPool> = pools.iter_mut().map(|p| &mut p.core).collect();
-            Ok(
-                match elastic::reserve_steps(
-                    budget, &mut cores, &hit_refs, &news, reserved, removed,
-                )? {
-                    Ok(taken) => (None, taken),
-                    Err(short) => (Some((short.group, short.missing)), Vec::new()),
-                },
-            )
-        })
+        Self::reserve_checked(slf, &hit_refs, &news)
     }
 
     /// What group `group`'s pool could have now: its free blocks, and the pages of every
@@ -376,20 +384,9 @@ impl NativeElasticPools {
         if primary_need > Self::num_free_for(slf, primary)? {
             return Ok(None);
         }
-        let no_hits: Vec<Bound<'_, PyAny>> = Vec::new();
-        let (_, groups) = Self::step_args(slf, &no_hits, news)?;
-        let none: Vec<&[BlockId]> = vec![&[]; slf.try_borrow()?.pools.len()];
-        let short = Self::with_pools(slf, |budget, pools, reserved, removed| {
-            let mut cores: Vec<&mut GroupPool> = pools.iter_mut().map(|p| &mut p.core).collect();
-            Ok(
-                match elastic::reserve_steps(budget, &mut cores, &none, &groups, reserved, removed)?
-                {
-                    Ok(taken) => (false, taken),
-                    Err(_) => (true, Vec::new()),
-                },
-            )
-        })?;
-        if short {
+        let (_, groups) = Self::step_args(slf, &[], news)?;
+        let no_hits: Vec<&[BlockId]> = vec![&[]; slf.try_borrow()?.pools.len()];
+        if Self::reserve_checked(slf, &no_hits, &groups)?.is_some() {
             return Ok(None);
         }
         let pools = slf.try_borrow()?.attached(py)?;

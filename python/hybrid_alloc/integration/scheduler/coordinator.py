@@ -522,24 +522,24 @@ class PerGroupPoolsMixin(RunningTableMixin):
                         if manager._record_new_block_ids:
                             manager.new_block_ids.extend(b.block_id for b in new)
                 blocks = tuple(grown)
-                return kv_manager.create_kv_cache_blocks(blocks)
-            if e is not None:
-                # The same two refusals, then vLLM's managers take the pages.
-                if (
-                    sum(needs[g] for g in self._primary_groups) > pool_set.get_num_free_blocks()
-                    or e.reserve(self._no_hits, news) is not None
-                ):
-                    return None
             else:
-                need = [0] * len(pool_set)
-                for idx, n in news:
-                    need[idx] += n
-                if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
-                    return None
-            blocks = tuple(
-                managers[g].allocate_new_blocks(request_id, slots, main) if n else []
-                for g, n in enumerate(needs)
-            )
+                if e is not None:
+                    # The same two refusals, then vLLM's managers take the pages.
+                    if (
+                        sum(needs[g] for g in self._primary_groups) > pool_set.get_num_free_blocks()
+                        or e.reserve(self._no_hits, news) is not None
+                    ):
+                        return None
+                else:
+                    need = [0] * len(pool_set)
+                    for idx, n in news:
+                        need[idx] += n
+                    if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
+                        return None
+                blocks = tuple(
+                    managers[g].allocate_new_blocks(request_id, slots, main) if n else []
+                    for g, n in enumerate(needs)
+                )
         finally:
             self._reservation_queries.clear()
             self._end_step()
