@@ -192,6 +192,9 @@ class NativeElasticPools:
     @property
     def kept_per_live(self) -> list[int]: ...
     @property
+    def usage(self) -> float:
+        """The share of the lendable bytes (every slab but the null blocks') in live pages."""
+    @property
     def stranded_bytes(self) -> int: ...
     @property
     def edge_waste_bytes(self) -> int: ...

@@ -236,6 +236,20 @@ impl ByteBudget {
         self.live_pages[g]
     }
 
+    /// The share of the lendable bytes (every slab but the null blocks') that live pages
+    /// take, over every group: the usage vLLM reads every step (its shared pool's
+    /// `get_usage`), from the running counts.
+    pub fn usage(&self) -> f64 {
+        let lendable = u64::from(self.num_slabs().saturating_sub(1)) * self.slab_bytes;
+        if lendable == 0 {
+            return 0.0;
+        }
+        let live: u64 = (0..self.num_groups())
+            .map(|g| self.live_pages[g] * self.page_bytes[g])
+            .sum();
+        live as f64 / lendable as f64
+    }
+
     /// Keep `n` idle pages of group `g` per page it has in use out of other groups'
     /// reach: its idle slabs are taken back only beyond that many pages' slabs. An
     /// 'align'-mode Mamba/GDN group needs a second page whenever a request crosses a
@@ -724,6 +738,15 @@ mod tests {
                 stranded += free * self.pages[g];
             }
             assert_eq!(b.stranded_bytes(), stranded, "{step}: stranded bytes");
+            let live_bytes: u64 = (0..b.num_groups())
+                .map(|g| self.pinned[g].len() as u64 * self.pages[g])
+                .sum();
+            let lendable = u64::from(b.num_slabs() - 1) * b.slab_bytes();
+            assert_eq!(
+                b.usage(),
+                live_bytes as f64 / lendable as f64,
+                "{step}: usage"
+            );
         }
     }
 

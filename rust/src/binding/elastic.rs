@@ -446,6 +446,12 @@ impl NativeElasticPools {
             .collect()
     }
 
+    /// The share of the lendable bytes live pages take (vLLM's `usage`, read every step).
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.budget.usage()
+    }
+
     #[getter]
     fn stranded_bytes(&self) -> u64 {
         self.budget.stranded_bytes()

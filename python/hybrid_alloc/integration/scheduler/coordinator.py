@@ -819,8 +819,6 @@ _stock_allocate_slots = _kv_cache_manager.KVCacheManager.allocate_slots
 # arguments after the request.
 _DELAY_CACHE_BLOCKS_ARG = 5
 _RESERVED_BLOCKS_ARG = 8
-# The one keyword vLLM's scheduler passes for a running request's step, after its count.
-_LOOKAHEAD_KWARG = "num_lookahead_tokens"
 _RUNNING = RequestStatus.RUNNING
 
 
@@ -828,7 +826,16 @@ def _allocate_slots_is_ours() -> bool:
     return _kv_cache_manager.KVCacheManager.allocate_slots is allocate_slots_honouring_loads
 
 
-def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+def allocate_slots_honouring_loads(
+    self: Any,
+    request: Any,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Any = None,
+    num_lookahead_tokens: int = 0,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """vLLM's `KVCacheManager.allocate_slots`. Where the coordinator keeps the running
     requests' table (per-group pools; vLLM's layout with prefix caching) a running
     request's step that changes nothing (`quiet_step`) returns vLLM's answer for it at
@@ -838,28 +845,42 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     coordinator's plan of those same needs pool by pool: the load is admitted exactly when
     the budget holds the load and every reservation, and vLLM's one-count comparison then
     sees no reservation (it would compare pages of several pools, and slabs, as one
-    number)."""
+    number).
+
+    The first five parameters are vLLM's own (the same in 0.32 and 0.33), named so that
+    the scheduler's call for a running request, made at every step for every running
+    request, binds without packing its arguments (measured: 120 of ~400 ns a call)."""
     coordinator = self.coordinator
     if not isinstance(coordinator, RunningTableMixin):
-        return _stock_allocate_slots(self, request, *args, **kwargs)
+        return _stock_allocate_slots(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            *args,
+            **kwargs,
+        )
     quiet = coordinator._quiet_check
     if (
         quiet is not None
-        and len(args) == 1
+        and not args
+        and not kwargs
+        and not num_new_computed_tokens
+        and new_computed_blocks is None
+        and num_new_tokens > 0
         and request.status is _RUNNING
-        and (not kwargs or (len(kwargs) == 1 and _LOOKAHEAD_KWARG in kwargs))
-        and args[0] > 0
     ):
         # The scheduler's call for a running request (no hits, loads or encoder tokens);
         # the table computes vLLM's `num_tokens_need_slot` and the processed prefix
         # `remove_skipped_blocks` is given from the request's counts, as
         # `allocate_slots` does, and the length its room is counted from.
-        lookahead = kwargs[_LOOKAHEAD_KWARG] if kwargs else 0
         needs = quiet.decode_step(
             request.request_id,
             request.num_computed_tokens,
-            args[0],
-            lookahead,
+            num_new_tokens,
+            num_lookahead_tokens,
             request.num_in_flight_tokens,
             request.num_prompt_tokens,
             request.num_tokens,
@@ -873,16 +894,28 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
                 return coordinator.quiet_step_blocks
             if coordinator._per_group_pools:
                 # Only tables that cache nothing answer growth (full attention only).
-                return coordinator._grow_decode_step(self, request, args[0], lookahead, needs)
+                return coordinator._grow_decode_step(
+                    self, request, num_new_tokens, num_lookahead_tokens, needs
+                )
+    # vLLM's arguments after the request, by position.
+    positional = (
+        num_new_tokens,
+        num_new_computed_tokens,
+        new_computed_blocks,
+        num_lookahead_tokens,
+        *args,
+    )
     per_group = coordinator._per_group_pools
-    num_new = int(args[0] if args else kwargs.get("num_new_tokens", 0))
+    num_new = int(num_new_tokens)
     # The tokens this call caches at least, if it succeeds (caching tables learn from
     # it whether the prompt's partial entry is registered): `allocate_slots` caches
     # `min(computed + hits + new, num_tokens)`, none if its caching is delayed.
     delayed = bool(
         kwargs.get(
             "delay_cache_blocks",
-            args[_DELAY_CACHE_BLOCKS_ARG] if len(args) > _DELAY_CACHE_BLOCKS_ARG else False,
+            positional[_DELAY_CACHE_BLOCKS_ARG]
+            if len(positional) > _DELAY_CACHE_BLOCKS_ARG
+            else False,
         )
     )
     caches = 0
@@ -893,20 +926,20 @@ def allocate_slots_honouring_loads(self: Any, request: Any, *args: Any, **kwargs
     if not per_group:
         result = None
         try:
-            result = _stock_allocate_slots(self, request, *args, **kwargs)
+            result = _stock_allocate_slots(self, request, *positional, **kwargs)
             return result
         finally:
             coordinator._sync_running(request, 0, caches if result is not None else 0)
     if coordinator.pool_set.elastic is None:
         if coordinator._running is None:
-            return _stock_allocate_slots(self, request, *args, **kwargs)
+            return _stock_allocate_slots(self, request, *positional, **kwargs)
         result = None
         try:
-            result = _stock_allocate_slots(self, request, *args, **kwargs)
+            result = _stock_allocate_slots(self, request, *positional, **kwargs)
             return result
         finally:
             coordinator._sync_running(request, 0, caches if result is not None else 0)
-    args_list = list(args)
+    args_list = list(positional)
     loading = delayed
     reserved = 0
     if "reserved_blocks" in kwargs:

@@ -166,10 +166,8 @@ class PoolSet:
         """The fullest pool's usage: a full pool stops admission whichever pool it is.
         Elastic pools: the share of the budget's bytes in use."""
         if self.elastic is not None:
-            e = self.elastic
-            lendable = (e.num_slabs - 1) * e.slab_bytes
-            live = sum(e.num_live_pages(i) * e.page_bytes(i) for i in range(len(self.pools)))
-            return live / lendable
+            # Every group's live bytes over the lendable ones (vLLM reads it every step).
+            return self.elastic.usage
         return max(self.usages())
 
     def plan(self, hits: Sequence[Sequence[Any]], news: Sequence[tuple[int, int]]) -> bool:

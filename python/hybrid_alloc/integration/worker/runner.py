@@ -158,7 +158,8 @@ def _tagging_take_new_block_ids(stock: Callable[..., list[int]]) -> Callable[...
         ids: list[int] = []
         for manager in self.coordinator.single_type_managers:
             new = manager.take_new_block_ids()
-            ids.extend(config.tag_block_ids(manager.kv_cache_group_id, new))
+            if new:  # called every step; most steps take no block in most groups
+                ids.extend(config.tag_block_ids(manager.kv_cache_group_id, new))
         return ids
 
     return take_new_block_ids
