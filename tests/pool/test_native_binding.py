@@ -4,6 +4,7 @@ the free-queue iterator."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -69,6 +70,39 @@ def test_objects_claiming_a_pool_of_ours_are_refused() -> None:
     with pytest.raises(TypeError, match="pool-b: free_blocks: a ForeignBlock claims this pool"):
         a.free_blocks([ha[0], ForeignBlock(b, "x")])
     assert rust_snapshot(a) == before
+
+
+def test_handles_live_outside_the_cyclic_gc_and_outlive_their_pool_safely() -> None:
+    """Handles are made after the engine froze its heap; they hold their pool by address
+    only, so the GC never walks them, and one held past its pool's end raises on every
+    read of the pool instead of touching freed memory."""
+    a, b = BlockPool(8, True, HBS, label="pool-a"), BlockPool(8, True, HBS, label="pool-b")
+    held = a.get_new_blocks(3)
+    assert not any(gc.is_tracked(h) for h in held)
+    assert all(h.pool is a for h in held) and held[0].ref_cnt == 1
+    assert [h.block_id for h in held] == [1, 2, 3] and a.null_block.is_null
+    # Handles do not keep their pool alive: once its owner and its own views (a cycle)
+    # are gone, the pool is freed and its handles let go of it.
+    del a
+    gc.collect()
+    stale = held[1]
+    for read in (
+        lambda: stale.ref_cnt,
+        lambda: stale.pool,
+        lambda: stale.block_hash,
+        lambda: stale.next_free_block,
+        lambda: repr(stale),
+    ):
+        with pytest.raises(RuntimeError, match="block 2: its pool is gone"):
+            read()
+    assert stale.block_id == 2 and not stale.is_null  # the handle's own fields stay
+    before = rust_snapshot(b)
+    with pytest.raises(RuntimeError, match="block 2: its pool is gone"):
+        b.free_blocks([stale])
+    with pytest.raises(ValueError, match="pool-b: touch: block 2 belongs to another pool"):
+        b.touch([stale])
+    assert rust_snapshot(b) == before
+    assert stale == held[1] and stale != b.get_new_blocks(1)[0]
 
 
 @pytest.mark.parametrize("events", [False, True])

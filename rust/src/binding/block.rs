@@ -5,18 +5,26 @@ use super::convert::wrong_type;
 use super::pool::NativeBlockPool;
 use crate::group_pool::{BlockId, NULL_BLOCK_ID};
 use crate::routing::BlockRef;
-use pyo3::exceptions::PyIndexError;
+use pyo3::exceptions::{PyIndexError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList};
-use pyo3::{PyTraverseError, PyVisit};
+use pyo3::ffi;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// A KV-cache block handle, call-compatible with vLLM's `KVCacheBlock`.
 ///
-/// `block_id`, `is_null` and `pool` never change, so they are stored as Python objects in
-/// the frozen struct: PyO3 exposes such fields as struct members, which CPython reads as
-/// fast as a `__slots__` attribute (vLLM's managers read `block_id` per block on hot paths).
+/// `block_id` and `is_null` never change, so they are stored as Python objects in the
+/// frozen struct: PyO3 exposes such fields as struct members, which CPython reads as fast
+/// as a `__slots__` attribute (vLLM's managers read `block_id` per block on hot paths).
 /// Everything else is read from (and `ref_cnt` written to) the pool, the one source of
 /// truth.
+///
+/// A handle holds no reference to its pool ([`PoolLink`]), so it cannot be part of a
+/// reference cycle, and its pool untracks it from Python's cyclic GC as it makes it. Handles are made after the
+/// engine core froze its heap (`gc.freeze()`), on first use; tracked, every one of them
+/// would be walked by each collection of the generation it sits in: with a million
+/// handles out, a full collection took 78 ms on the development machine, a stall in the
+/// scheduler that stock vLLM, whose blocks are built before the freeze, never has.
 #[pyclass(frozen, module = "hybrid_alloc._native", name = "KVCacheBlock")]
 pub struct Block {
     pub(super) id: BlockId,
@@ -26,23 +34,67 @@ pub struct Block {
     /// Whether this is the pool's null block (block 0).
     #[pyo3(get)]
     is_null: Py<PyBool>,
-    /// The pool that owns this block.
-    #[pyo3(get)]
-    pub(super) pool: Py<NativeBlockPool>,
+    /// The pool that owns this block, while it lives.
+    pub(super) pool: PoolLink,
+}
+
+/// The address of the pool a handle belongs to, without a reference to it; null once the
+/// pool has let go of its handles.
+///
+/// Invariant: the address is not null only while the pool object is alive. A pool makes
+/// each of its handles in its [`HandleTable`] and keeps a reference to every one of them
+/// there until the table lets them go ([`HandleTable::clear`], or the table's drop when
+/// the pool is deallocated), which nulls every handle's address first. Both run with the
+/// GIL held, as does every read, so no read sees an address whose pool is being freed.
+pub(crate) struct PoolLink(AtomicPtr<ffi::PyObject>);
+
+impl PoolLink {
+    fn new(pool: &Bound<'_, NativeBlockPool>) -> Self {
+        Self(AtomicPtr::new(pool.as_ptr()))
+    }
+
+    /// The pool's address (null once the pool let go of the handle).
+    #[inline(always)]
+    pub(crate) fn addr(&self) -> *mut ffi::PyObject {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// The pool of block `id`, or a `RuntimeError` once the pool is gone.
+    pub(crate) fn get<'py>(
+        &self,
+        py: Python<'py>,
+        id: BlockId,
+    ) -> PyResult<Bound<'py, NativeBlockPool>> {
+        let ptr = self.addr();
+        if ptr.is_null() {
+            return Err(PyRuntimeError::new_err(format!(
+                "block {id}: its pool is gone (the handle outlived the pool that made it)"
+            )));
+        }
+        // SAFETY: `ptr` is not null, so by the invariant above the pool object it points
+        // to is alive, and the GIL (`py`) keeps it from being freed while this runs;
+        // `from_borrowed_ptr` takes a new reference, which keeps it alive after.
+        let pool = unsafe { Bound::from_borrowed_ptr(py, ptr) };
+        Ok(pool.cast_into::<NativeBlockPool>()?)
+    }
+
+    fn orphan(&self) {
+        self.0.store(std::ptr::null_mut(), Ordering::Release);
+    }
 }
 
 #[pymethods]
 impl Block {
     #[getter]
     fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
-        Ok(self.pool.bind(py).try_borrow()?.core.ref_cnt(self.id))
+        Ok(self.pool.get(py, self.id)?.try_borrow()?.core.ref_cnt(self.id))
     }
 
     /// vLLM's managers write `block.ref_cnt += 1` on blocks they hold; the write goes to
     /// the pool's count (the core decides which writes are allowed).
     #[setter]
     fn set_ref_cnt(&self, py: Python<'_>, value: i64) -> PyResult<()> {
-        let mut pool = self.pool.bind(py).try_borrow_mut()?;
+        let mut pool = self.pool.get(py, self.id)?.try_borrow_mut()?;
         let id = self.id;
         pool.operate(py, &[id], "set the reference count of", |core| {
             core.set_ref_cnt(id, value)
@@ -52,32 +104,32 @@ impl Block {
     /// The primary prefix-cache key (`BlockHashWithGroupId` bytes), or None.
     #[getter]
     fn block_hash<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let pool = self.pool.bind(py).try_borrow()?;
+        let pool = self.pool.get(py, self.id)?.try_borrow()?;
         Ok(pool.core.block_hash(self.id).map(|k| PyBytes::new(py, k)))
     }
 
     #[getter]
     fn block_hash_num_tokens(&self, py: Python<'_>) -> PyResult<Option<u32>> {
-        let pool = self.pool.bind(py).try_borrow()?;
+        let pool = self.pool.get(py, self.id)?.try_borrow()?;
         Ok(pool.core.block_hash_num_tokens(self.id))
     }
 
     #[getter]
     fn prev_free_block(&self, py: Python<'_>) -> PyResult<Option<Py<Block>>> {
-        let pool = self.pool.bind(py);
+        let pool = &self.pool.get(py, self.id)?;
         let prev = pool.try_borrow()?.core.queue().prev_of(self.id);
         prev.map(|id| NativeBlockPool::handle(pool, id)).transpose()
     }
 
     #[getter]
     fn next_free_block(&self, py: Python<'_>) -> PyResult<Option<Py<Block>>> {
-        let pool = self.pool.bind(py);
+        let pool = &self.pool.get(py, self.id)?;
         let next = pool.try_borrow()?.core.queue().next_of(self.id);
         next.map(|id| NativeBlockPool::handle(pool, id)).transpose()
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let pool = self.pool.bind(py).try_borrow()?;
+        let pool = self.pool.get(py, self.id)?.try_borrow()?;
         let hash = match pool.core.block_hash(self.id) {
             Some(k) => PyBytes::new(py, k).repr()?.to_string(),
             None => "None".into(),
@@ -100,14 +152,16 @@ impl Block {
         match other.cast::<Block>() {
             Ok(o) => {
                 let o = o.get();
-                o.id == self.id && o.pool.as_ptr() == self.pool.as_ptr()
+                o.id == self.id && o.pool.addr() == self.pool.addr()
             }
             Err(_) => false,
         }
     }
 
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.pool)
+    /// The pool that owns this block (a `RuntimeError` once the pool is gone).
+    #[getter]
+    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, NativeBlockPool>> {
+        self.pool.get(py, self.id)
     }
 }
 
@@ -139,7 +193,7 @@ pub(crate) fn block_ref(
 /// The block a handle names, with its pool as seen from the pool `this`.
 #[inline(always)]
 pub(crate) fn handle_ref(this: &Bound<'_, NativeBlockPool>, block: &Block) -> BlockRef<PoolToken> {
-    let pool = block.pool.as_ptr();
+    let pool = block.pool.addr();
     BlockRef {
         pool: if pool == this.as_ptr() {
             PoolToken::This
@@ -186,9 +240,16 @@ impl HandleTable {
                 id,
                 block_id: id.into_pyobject(py)?.unbind(),
                 is_null: PyBool::new(py, id == NULL_BLOCK_ID).to_owned().unbind(),
-                pool: owner.as_unbound().clone_ref(py),
+                pool: PoolLink::new(owner),
             },
         )?;
+        // SAFETY: `h` is a live object that was just made (PyO3 makes every pyclass a GC
+        // type, tracked from allocation), and untracking is idempotent (the dealloc
+        // untracks again). Leaving it to reference counting alone is sound because a
+        // handle cannot be part of a cycle: it refers only to an int and a bool, holds
+        // its pool by address (`PoolLink`), and has no `__dict__` to which Python code
+        // could add a reference.
+        unsafe { ffi::PyObject_GC_UnTrack(h.as_ptr().cast()) };
         *slot = Some(h.clone_ref(py));
         Ok(h)
     }
@@ -217,14 +278,20 @@ impl HandleTable {
         self.handles.capacity() * std::mem::size_of::<Option<Py<Block>>>()
     }
 
-    pub fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        for h in self.handles.iter().flatten() {
-            visit.call(h)?;
-        }
-        Ok(())
-    }
-
+    /// Let go of every handle, nulling its pool address first (the [`PoolLink`]
+    /// invariant): a handle someone still holds then raises instead of reading a pool
+    /// that may be gone.
     pub fn clear(&mut self) {
-        self.handles.iter_mut().for_each(|h| *h = None);
+        for h in self.handles.iter_mut() {
+            if let Some(handle) = h.take() {
+                handle.get().pool.orphan();
+            }
+        }
+    }
+}
+
+impl Drop for HandleTable {
+    fn drop(&mut self) {
+        self.clear();
     }
 }

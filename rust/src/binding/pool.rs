@@ -331,7 +331,7 @@ impl NativeBlockPool {
             let block = block.get();
             let BlockRef { pool, id } = handle_ref(slf, block);
             if pool != PoolToken::This {
-                others.keep_pool(block.pool.bind(slf.py()).as_any());
+                others.keep_pool(block.pool.get(slf.py(), id)?.as_any());
             }
             return Ok((pool, id));
         }
@@ -1026,7 +1026,6 @@ impl NativeBlockPool {
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.handles.traverse(&visit)?;
         if let Some(o) = &self.observers {
             visit.call(&o.evicted)?;
             visit.call(&o.allocated)?;
