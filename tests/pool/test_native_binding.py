@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from hybrid_alloc._native import FreeBlockIterator
+from hybrid_alloc.integration.scheduler import block_pool
 from hybrid_alloc.integration.scheduler.block_pool import BlockPool
 from tests.helpers import FakeRequest, make_request, rust_snapshot
 
@@ -103,6 +104,20 @@ def test_handles_live_outside_the_cyclic_gc_and_outlive_their_pool_safely() -> N
         b.touch([stale])
     assert rust_snapshot(b) == before
     assert stale == held[1] and stale != b.get_new_blocks(1)[0]
+
+
+def test_a_pool_makes_its_first_handles_as_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ``EAGER_HANDLES`` blocks' handles are made with the pool (outside the
+    scheduler's steps); the rest on first use, each still one object per block."""
+    assert BlockPool(8, True, HBS).num_handles() == 8
+    monkeypatch.setattr(block_pool, "EAGER_HANDLES", 5)
+    pool = BlockPool(8, True, HBS)
+    assert pool.num_handles() == 5
+    first = pool.get_new_blocks(7)
+    assert [b.block_id for b in first] == [1, 2, 3, 4, 5, 6, 7] and pool.num_handles() == 8
+    pool.free_blocks(first)
+    again = pool.get_new_blocks(7)
+    assert all(any(a is b for b in first) for a in again)
 
 
 @pytest.mark.parametrize("events", [False, True])

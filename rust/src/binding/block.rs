@@ -6,9 +6,9 @@ use super::pool::NativeBlockPool;
 use crate::group_pool::{BlockId, NULL_BLOCK_ID};
 use crate::routing::BlockRef;
 use pyo3::exceptions::{PyIndexError, PyRuntimeError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList};
-use pyo3::ffi;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// A KV-cache block handle, call-compatible with vLLM's `KVCacheBlock`.
@@ -87,7 +87,12 @@ impl PoolLink {
 impl Block {
     #[getter]
     fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
-        Ok(self.pool.get(py, self.id)?.try_borrow()?.core.ref_cnt(self.id))
+        Ok(self
+            .pool
+            .get(py, self.id)?
+            .try_borrow()?
+            .core
+            .ref_cnt(self.id))
     }
 
     /// vLLM's managers write `block.ref_cnt += 1` on blocks they hold; the write goes to

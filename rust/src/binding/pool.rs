@@ -1020,6 +1020,17 @@ impl NativeBlockPool {
         self.core.per_block_heap_bytes() + self.handles.heap_bytes()
     }
 
+    /// Make the handles of blocks `0..limit` (of the whole pool if smaller) now, instead
+    /// of on first use; returns how many handles the pool has then.
+    fn make_handles(slf: &Bound<'_, Self>, limit: usize) -> PyResult<usize> {
+        let mut this = slf.try_borrow_mut()?;
+        let n = this.core.num_blocks();
+        for id in 0..n.min(limit) {
+            this.handles.get(slf, n, id as BlockId)?;
+        }
+        Ok(this.handles.count())
+    }
+
     /// Number of block handles created so far.
     fn num_handles(&self) -> usize {
         self.handles.count()
