@@ -126,6 +126,16 @@ MUTANTS = (
         ("cargo:byte_budget::tests",),
     ),
     Mutant(
+        "usage-one-page-size",
+        "the usage vLLM reads every step counts every group's live pages at group 0's "
+        "page size",
+        "rust/src/byte_budget.rs",
+        "            .map(|g| self.live_pages[g] * self.page_bytes[g])",
+        "            .map(|g| self.live_pages[g] * self.page_bytes[0])",
+        # The random walk's usage check against its plain model.
+        ("cargo:byte_budget::tests",),
+    ),
+    Mutant(
         "admission-merged-order",
         "an admitted step is not reserved: only the plan of each group's blocks as one ask, "
         "which vLLM's order (every group's loaded-token blocks, then every group's new "

@@ -145,7 +145,7 @@ def _constructor_args(
 
 # Blocks whose handles a pool makes as it is built, before the engine core freezes its
 # heap, as stock vLLM builds all its blocks; the rest are made on first use. Making one
-# costs ~80 ns and ~100 B of host memory (1M: ~80 ms, ~100 MB), once. Made during the
+# costs ~65 ns and ~106 B of host memory (1M: 66 ms, 106 MB), once. Made during the
 # scheduler's steps instead, each counted towards the cyclic GC's next collection, and
 # the collections they set off walked vLLM's lists of handles: Falcon-H1-7B 16 GiB
 # 'none' long-burst (24,057 pages) ran 146 us of scheduler CPU per step with handles
