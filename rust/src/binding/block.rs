@@ -65,16 +65,27 @@ impl PoolLink {
         py: Python<'py>,
         id: BlockId,
     ) -> PyResult<Bound<'py, NativeBlockPool>> {
+        let gone = || {
+            PyRuntimeError::new_err(format!(
+                "block {id}: its pool is gone (the handle outlived the pool that made it)"
+            ))
+        };
         let ptr = self.addr();
         if ptr.is_null() {
-            return Err(PyRuntimeError::new_err(format!(
-                "block {id}: its pool is gone (the handle outlived the pool that made it)"
-            )));
+            return Err(gone());
         }
         // SAFETY: `ptr` is not null, so by the invariant above the pool object it points
-        // to is alive, and the GIL (`py`) keeps it from being freed while this runs;
-        // `from_borrowed_ptr` takes a new reference, which keeps it alive after.
-        let pool = unsafe { Bound::from_borrowed_ptr(py, ptr) };
+        // to has not been freed, and the GIL (`py`) keeps it from being freed while this
+        // runs. A count of zero means its deallocation has begun (code run while its
+        // `__dict__` is cleared, before its table lets go of the handles): taking a new
+        // reference then would bring it back to life mid-teardown, so it counts as gone.
+        // Otherwise `from_borrowed_ptr` takes a new reference, which keeps it alive after.
+        let pool = unsafe {
+            if ffi::Py_REFCNT(ptr) <= 0 {
+                return Err(gone());
+            }
+            Bound::from_borrowed_ptr(py, ptr)
+        };
         Ok(pool.cast_into::<NativeBlockPool>()?)
     }
 
