@@ -127,8 +127,7 @@ MUTANTS = (
     ),
     Mutant(
         "usage-one-page-size",
-        "the usage vLLM reads every step counts every group's live pages at group 0's "
-        "page size",
+        "the usage vLLM reads every step counts every group's live pages at group 0's page size",
         "rust/src/byte_budget.rs",
         "            .map(|g| self.live_pages[g] * self.page_bytes[g])",
         "            .map(|g| self.live_pages[g] * self.page_bytes[0])",
