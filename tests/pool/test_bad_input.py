@@ -566,3 +566,12 @@ def test_regression_block_size_not_a_multiple_of_hash_block_size_is_a_value_erro
     assert_refused(
         pool, lambda: pool.cache_full_blocks(req, held, 4, 5, 6, 0), ValueError, "pool-a"
     )
+
+
+def test_regression_make_handles_limits_past_a_c_long() -> None:
+    """``make_handles(-1)`` / ``make_handles(2**63)``: a negative limit is a ValueError
+    naming the pool (not the binding's OverflowError), a huge one means every block."""
+    pool, _ = busy_pool()
+    assert_refused(pool, lambda: pool.make_handles(-1), ValueError, "pool-a")
+    assert_refused(pool, lambda: pool.make_handles(-(2**63) - 1), ValueError, "pool-a")
+    assert pool.make_handles(2**63) == pool.num_gpu_blocks == pool.num_handles()

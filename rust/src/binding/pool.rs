@@ -1022,8 +1022,15 @@ impl NativeBlockPool {
 
     /// Make the handles of blocks `0..limit` (of the whole pool if smaller) now, instead
     /// of on first use; returns how many handles the pool has then.
-    fn make_handles(slf: &Bound<'_, Self>, limit: usize) -> PyResult<usize> {
+    fn make_handles(slf: &Bound<'_, Self>, limit: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let limit = saturating_int(limit)?;
         let mut this = slf.try_borrow_mut()?;
+        let limit = usize::try_from(limit).map_err(|_| {
+            PyValueError::new_err(format!(
+                "{}: make_handles: limit must be >= 0, got {limit}",
+                this.label
+            ))
+        })?;
         let n = this.core.num_blocks();
         for id in 0..n.min(limit) {
             this.handles.get(slf, n, id as BlockId)?;
