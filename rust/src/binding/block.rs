@@ -20,11 +20,12 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 /// truth.
 ///
 /// A handle holds no reference to its pool ([`PoolLink`]), so it cannot be part of a
-/// reference cycle, and its pool untracks it from Python's cyclic GC as it makes it. Handles are made after the
-/// engine core froze its heap (`gc.freeze()`), on first use; tracked, every one of them
-/// would be walked by each collection of the generation it sits in: with a million
-/// handles out, a full collection took 78 ms on the development machine, a stall in the
-/// scheduler that stock vLLM, whose blocks are built before the freeze, never has.
+/// reference cycle, and its pool untracks it from Python's cyclic GC as it makes it.
+/// Handles beyond the ones a pool makes as it is built are made on first use, after the
+/// engine core froze its heap (`gc.freeze()`); tracked, every one of them would be walked
+/// by each collection of the generation it sits in: with a million handles out, a full
+/// collection took 66-78 ms on the development machine, a stall in the scheduler that
+/// stock vLLM, whose blocks are built before the freeze, never has.
 #[pyclass(frozen, module = "hybrid_alloc._native", name = "KVCacheBlock")]
 pub struct Block {
     pub(super) id: BlockId,
