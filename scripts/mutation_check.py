@@ -135,6 +135,15 @@ MUTANTS = (
         ("cargo:byte_budget::tests",),
     ),
     Mutant(
+        "evict-own-cache-first",
+        "a group evicts its own cached pages before another group's slab idle since longer "
+        "(each group's cache kept in the slabs it happens to own, not one LRU order)",
+        "rust/src/elastic.rs",
+        "budget.idle_since(s) < budget.freed_at(g, end)",
+        "budget.idle_since(s) > u64::MAX - 1",
+        ("cargo:elastic::tests::cached_pages_are_evicted",),
+    ),
+    Mutant(
         "admission-merged-order",
         "an admitted step is not reserved: only the plan of each group's blocks as one ask, "
         "which vLLM's order (every group's loaded-token blocks, then every group's new "

@@ -69,12 +69,18 @@ pub struct ByteBudget {
     /// Per group: idle pages kept, per page in use, that no other group may take back
     /// (see [`ByteBudget::set_kept_per_live`]).
     kept_per_live: Vec<u32>,
-    /// Owned slabs with no live page, keyed by when each became idle: the slab idle the
-    /// longest is taken back first, so the cached pages another group's need evicts are
-    /// the least recently used ones, whichever group cached them.
-    idle_slabs: BTreeSet<(u64, SlabId)>,
+    /// Per group: its owned slabs with no live page, keyed by when each became idle: the
+    /// slab idle the longest is taken back first, so the cached pages another group's need
+    /// evicts are the least recently used ones, whichever group cached them. One set per
+    /// owner, so that a group looking for other groups' idle slabs never walks its own.
+    idle_slabs: Vec<BTreeSet<(u64, SlabId)>>,
     /// Per slab: the tick of `clock` at which it last became idle (its key in `idle_slabs`).
     idle_since: Vec<u64>,
+    /// Per group, per page: the tick of `clock` at which it last went out of use. The
+    /// allocation policy compares a group's least recently freed cached page with another
+    /// group's slab idle the longest on this one clock, so the cached pages evicted are the
+    /// oldest whichever group holds them, as in vLLM's one shared queue.
+    freed_at: Vec<Vec<u64>>,
     clock: u64,
     changes: Vec<OwnerChanges>,
 }
@@ -139,6 +145,10 @@ impl ByteBudget {
             per_slab.push(fit as u32);
         }
         let groups = page_bytes.len();
+        let freed_at = pages
+            .iter()
+            .map(|&p| vec![0; (total / p) as usize])
+            .collect();
         Ok(ByteBudget {
             slab_bytes: slab,
             page_bytes: pages,
@@ -150,8 +160,9 @@ impl ByteBudget {
             idle: vec![0; groups],
             live_pages: vec![0; groups],
             kept_per_live: vec![0; groups],
-            idle_slabs: BTreeSet::new(),
+            idle_slabs: vec![BTreeSet::new(); groups],
             idle_since: vec![0; slabs as usize],
+            freed_at,
             clock: 0,
             changes: vec![OwnerChanges::default(); groups],
         })
@@ -275,17 +286,68 @@ impl ByteBudget {
 
     /// Owned slabs with no live page, the one idle the longest first.
     pub fn idle_slabs(&self) -> impl Iterator<Item = SlabId> + '_ {
-        self.idle_slabs.iter().map(|&(_, s)| s)
+        self.idle_slabs_except(None)
     }
 
-    fn mark_idle(&mut self, s: SlabId) {
+    /// [`ByteBudget::idle_slabs`] of every group but `g`, in the same order.
+    pub fn idle_slabs_of_others(&self, g: GroupIndex) -> impl Iterator<Item = SlabId> + '_ {
+        self.idle_slabs_except(Some(g))
+    }
+
+    /// The owners' idle sets merged by idle time (a handful of groups: the smallest head
+    /// is found by looking at each).
+    fn idle_slabs_except(&self, skip: Option<GroupIndex>) -> impl Iterator<Item = SlabId> + '_ {
+        let mut heads: Vec<_> = (0..self.num_groups())
+            .filter(|&h| Some(h) != skip)
+            .map(|h| self.idle_slabs[h].iter().peekable())
+            .collect();
+        std::iter::from_fn(move || {
+            let at = heads
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, it)| it.peek().map(|&&key| (key, i)))
+                .min()?
+                .1;
+            heads[at].next().map(|&(_, s)| s)
+        })
+    }
+
+    /// The tick at which slab `s` last became idle (0 for one never owned).
+    pub fn idle_since(&self, s: SlabId) -> u64 {
+        self.idle_since.get(s as usize).copied().unwrap_or(0)
+    }
+
+    /// The tick at which group `g`'s page `page` last went out of use (0: never in use).
+    pub fn freed_at(&self, g: GroupIndex, page: u32) -> u64 {
+        self.freed_at
+            .get(g)
+            .and_then(|pages| pages.get(page as usize))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Stamp group `g`'s `pages` as going out of use now, in order (called once the
+    /// changes that freed them are all applied, so a refused sync stamps nothing).
+    pub fn stamp_freed(&mut self, g: GroupIndex, pages: impl Iterator<Item = u32>) {
+        let Some(stamps) = self.freed_at.get_mut(g) else {
+            return;
+        };
+        for page in pages {
+            if let Some(t) = stamps.get_mut(page as usize) {
+                self.clock += 1;
+                *t = self.clock;
+            }
+        }
+    }
+
+    fn mark_idle(&mut self, g: GroupIndex, s: SlabId) {
         self.clock += 1;
         self.idle_since[s as usize] = self.clock;
-        self.idle_slabs.insert((self.clock, s));
+        self.idle_slabs[g].insert((self.clock, s));
     }
 
-    fn unmark_idle(&mut self, s: SlabId) {
-        self.idle_slabs.remove(&(self.idle_since[s as usize], s));
+    fn unmark_idle(&mut self, g: GroupIndex, s: SlabId) {
+        self.idle_slabs[g].remove(&(self.idle_since[s as usize], s));
     }
 
     /// The unowned slab [`ByteBudget::grant`] lends next.
@@ -363,7 +425,7 @@ impl ByteBudget {
         self.owner[s as usize] = Some(g as u16);
         self.owned[g] += 1;
         self.idle[g] += 1;
-        self.mark_idle(s);
+        self.mark_idle(g, s);
         self.changes[g].granted += 1;
         Ok(())
     }
@@ -382,7 +444,7 @@ impl ByteBudget {
         self.owner[s as usize] = None;
         self.owned[g] -= 1;
         self.idle[g] -= 1;
-        self.unmark_idle(s);
+        self.unmark_idle(g, s);
         self.changes[g].released += 1;
         // Keep the lowest ID on top.
         let at = self.unowned.partition_point(|&u| u > s);
@@ -438,7 +500,7 @@ impl ByteBudget {
         }
         if self.live[s] == 0 {
             self.idle[g] -= 1;
-            self.unmark_idle(s as SlabId);
+            self.unmark_idle(g, s as SlabId);
         }
         self.live[s] += 1;
         self.live_pages[g] += 1;
@@ -458,7 +520,7 @@ impl ByteBudget {
         self.live_pages[g] -= 1;
         if self.live[s] == 0 {
             self.idle[g] += 1;
-            self.mark_idle(s as SlabId);
+            self.mark_idle(g, s as SlabId);
         }
         Ok(())
     }
@@ -509,16 +571,27 @@ impl ByteBudget {
                 self.live_pages
             ));
         }
-        let idle_set: BTreeSet<SlabId> = (0..self.num_slabs())
-            .filter(|&s| self.owner(s).is_some() && self.live[s as usize] == 0)
+        let idle_set: BTreeSet<(GroupIndex, SlabId)> = (0..self.num_slabs())
+            .filter_map(|s| {
+                self.owner(s)
+                    .filter(|_| self.live[s as usize] == 0)
+                    .map(|g| (g, s))
+            })
             .collect();
-        // Each entry's key is its slab's stamp, so no slab can appear twice.
-        let keyed: BTreeSet<SlabId> = self.idle_slabs.iter().map(|&(_, s)| s).collect();
+        // Each entry's key is its slab's stamp, so no slab can appear twice in a set.
+        let keyed: BTreeSet<(GroupIndex, SlabId)> = self
+            .idle_slabs
+            .iter()
+            .enumerate()
+            .flat_map(|(g, set)| set.iter().map(move |&(_, s)| (g, s)))
+            .collect();
         let stale = self
             .idle_slabs
             .iter()
+            .flatten()
             .any(|&(t, s)| self.idle_since[s as usize] != t);
-        if idle_set != keyed || stale {
+        let counted: usize = self.idle_slabs.iter().map(BTreeSet::len).sum();
+        if idle_set != keyed || stale || counted != keyed.len() {
             return Err("the idle set differs from the owned slabs without live pages".into());
         }
         if owned != self.owned || idle != self.idle {

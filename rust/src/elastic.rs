@@ -14,12 +14,16 @@
 //! pool's own pop of `n` pages from the front of its queue):
 //! 1. empty pages: as many as the front of `g`'s queue holds before its first cached page;
 //! 2. then unowned slabs, lent to `g` (memory nobody uses, before any eviction);
-//! 3. then `g`'s own cached pages, least recently used first;
-//! 4. then idle slabs (no page in use) of other groups, the one idle the longest first (the
-//!    least recently used cached pages of any group go first), taken back (their
-//!    cached pages evicted) and lent to `g`, except those a group keeps for its live pages
-//!    ([`ByteBudget::set_kept_per_live`]: an 'align'-mode state group's next block);
-//! 5. else the allocation is refused and nothing changes.
+//! 3. then, oldest first on the budget's one clock, `g`'s own cached pages (least recently
+//!    freed first, as its queue holds them) and idle slabs (no page in use) of other
+//!    groups (the one idle the longest first), taken back (their cached pages evicted)
+//!    and lent to `g`: a slab idle since before `g`'s next cached page was freed goes
+//!    first, so the cached pages evicted are the least recently used of all groups, slab
+//!    by slab, as in vLLM's one shared queue (a group that owns many slabs of old cached
+//!    pages no longer keeps them while another evicts its newer ones). Slabs a group
+//!    keeps for its live pages ([`ByteBudget::set_kept_per_live`]: an 'align'-mode state
+//!    group's next block) are never taken;
+//! 4. else the allocation is refused and nothing changes.
 //!
 //! Admission ([`plan`]) runs that policy for a whole step (every group's prefix hits first,
 //! then every group's new pages, in group order, as vLLM's managers call them) on a virtual
@@ -107,6 +111,13 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
             return Err(e);
         }
     }
+    budget.stamp_freed(
+        g,
+        changes
+            .iter()
+            .filter(|&&(_, live)| !live)
+            .map(|&(page, _)| page),
+    );
     Ok(())
 }
 
@@ -182,6 +193,10 @@ struct Lending {
     unowned: Vec<SlabId>,
     reclaimed: Vec<SlabId>,
 }
+
+/// Pages of a group's queue the policy looks ahead at most when it weighs a slab of
+/// another group against the group's own cached pages ([`Virtual::victims_to_take`]).
+const WINDOW_LOOKAHEAD: usize = 64;
 
 /// The virtual state [`plan`] walks.
 struct Virtual<'a> {
@@ -275,10 +290,13 @@ impl Virtual<'_> {
     fn victims(&self, g: GroupIndex, want: usize) -> Vec<SlabId> {
         let budget = self.budget;
         let groups = budget.num_groups();
-        let others = |s: &SlabId| budget.owner(*s) != Some(g) && self.is_idle(*s);
         if (0..groups).all(|h| h == g || budget.kept_per_live(h) == 0) {
             // Nobody keeps pages (the default): the idle slabs in order, nothing counted.
-            return budget.idle_slabs().filter(others).take(want).collect();
+            return budget
+                .idle_slabs_of_others(g)
+                .filter(|&s| self.is_idle(s))
+                .take(want)
+                .collect();
         }
         let mut idle_left = vec![0u64; groups];
         for s in budget.idle_slabs().filter(|&s| self.is_idle(s)) {
@@ -330,15 +348,10 @@ impl Virtual<'_> {
             self.lent.extend(unowned.iter().copied());
             lending.unowned = unowned;
         }
-        let available = fresh + self.free[g];
-        if n > available {
-            let want = (n - available).div_ceil(per_slab);
-            let victims = self.victims(g, want);
+        let need = n.saturating_sub(fresh);
+        if need > empty {
+            let victims = self.victims_to_take(g, need, per_slab)?;
             let budget = self.budget;
-            if victims.len() < want {
-                let short = n - available - victims.len() * per_slab;
-                return Err(short.min(n));
-            }
             fresh += victims.len() * per_slab;
             // Their pages leave their owners' virtual queues (see `gone`).
             for &s in &victims {
@@ -355,6 +368,76 @@ impl Virtual<'_> {
         self.walk(g, n.saturating_sub(fresh), false, true);
         self.spare[g] += fresh.saturating_sub(n);
         Ok(lending)
+    }
+
+    /// The idle slabs of other groups that `g`'s next `need` pages (beyond its unowned
+    /// slabs) take back, in order: those its queue cannot give, and before each cached
+    /// page the queue would evict, any slab idle since before that page was freed, so the
+    /// cached pages evicted are the least recently used of all groups (slab by slab), as
+    /// in vLLM's one shared queue. `Err(missing)` if the queue and the slabs fall short.
+    fn victims_to_take(
+        &self,
+        g: GroupIndex,
+        need: usize,
+        per_slab: usize,
+    ) -> Result<Vec<SlabId>, usize> {
+        let available = self.free[g];
+        let must = need.saturating_sub(available).div_ceil(per_slab);
+        let candidates = self.victims(g, need.div_ceil(per_slab));
+        if candidates.len() < must {
+            return Err((need - available - candidates.len() * per_slab).min(need));
+        }
+        let (budget, pool) = (self.budget, self.pools[g]);
+        // The next page of the virtual queue from `at` on (pages gone in this step skipped).
+        let skip_gone = |mut at: Option<BlockId>| {
+            while let Some(p) = at.filter(|&p| self.gone(g, p)) {
+                at = pool.queue().next_of(p);
+            }
+            at
+        };
+        let mut taken = 0;
+        let mut popped = 0;
+        let mut next = skip_gone(self.cursor[g]);
+        // The last of the `per_slab` queue pages from `next` on (or the queue's last page):
+        // a slab taken back spares that many of `g`'s pages, the same bytes, so the slab
+        // goes first only if it has been idle since before the most recently freed of
+        // them was freed: of two equal amounts of memory, the one used least recently
+        // is evicted. The queue is in the order its pages were freed, so the page
+        // `WINDOW_LOOKAHEAD` on stands for the rest of a larger window (a bounded walk).
+        // Set at the first cached page, then moved on with `next`.
+        let mut window_end: Option<BlockId> = None;
+        while popped + taken * per_slab < need {
+            let older_slab = candidates.get(taken).is_some_and(|&s| match next {
+                Some(p) if pool.cache().is_cached(p) => {
+                    let end = *window_end.get_or_insert_with(|| {
+                        let mut end = p;
+                        for _ in 1..per_slab.min(WINDOW_LOOKAHEAD) {
+                            match skip_gone(pool.queue().next_of(end)) {
+                                Some(q) => end = q,
+                                None => break,
+                            }
+                        }
+                        end
+                    });
+                    budget.idle_since(s) < budget.freed_at(g, end)
+                }
+                Some(_) => false,
+                None => true,
+            });
+            if older_slab {
+                taken += 1;
+            } else if let Some(p) = next {
+                popped += 1;
+                next = skip_gone(pool.queue().next_of(p));
+                if let Some(end) = window_end {
+                    window_end = Some(skip_gone(pool.queue().next_of(end)).unwrap_or(end));
+                }
+            } else {
+                // Unreachable: `must` slabs cover what the queue cannot give.
+                return Err(need - popped - taken * per_slab);
+            }
+        }
+        Ok(candidates[..taken].to_vec())
     }
 
     /// Whether [`allocate`](Self::allocate) of `n` pages for `g` would succeed, counted
@@ -1050,6 +1133,48 @@ mod tests {
         e.allocate(1, 1, |_, _, _| {}).unwrap();
         let c = e.allocate(0, 1, |_, _, _| evicted += 1).unwrap();
         assert_eq!((c[0], evicted), (a[0], 1));
+        e.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn cached_pages_are_evicted_least_recently_freed_first_across_groups() {
+        // Slabs of 64 bytes: four attention pages (group 0) or one state page (group 1).
+        let mut e = ElasticPools::new(64, 4, &[16, 64], true, 16).unwrap();
+        let none = |_: GroupIndex, _: BlockId, _: &[u8]| {};
+        let state = e.allocate(1, 1, none).unwrap();
+        e.insert_hash(1, &key(100), state[0], None).unwrap();
+        let attention = e.allocate(0, 8, none).unwrap();
+        for (i, &p) in attention.iter().enumerate() {
+            e.insert_hash(0, &key(i as u64), p, None).unwrap();
+        }
+        // The state is freed first: its slab has been idle since before any attention
+        // page was freed, so group 0's next page takes that slab back (evicting the older
+        // state) instead of evicting its own least recently freed page.
+        e.free(1, &state).unwrap();
+        e.free(0, &attention).unwrap();
+        let mut evicted = Vec::new();
+        let got = e.allocate(0, 1, |g, id, _| evicted.push((g, id))).unwrap();
+        assert_eq!(evicted, [(1, state[0])]);
+        assert!(!attention.contains(&got[0]));
+        assert!(attention.iter().all(|&p| e.pool(0).cache().is_cached(p)));
+        e.check_invariants().unwrap();
+        // The other way round: group 0's cached pages were freed before the state, so its
+        // own least recently freed page goes before the state's idle slab.
+        let mut e = ElasticPools::new(64, 4, &[16, 64], true, 16).unwrap();
+        let attention = e.allocate(0, 4, none).unwrap();
+        let state = e.allocate(1, 1, none).unwrap();
+        let _live = e.allocate(0, 4, none).unwrap(); // the last slab, in use
+        for (i, &p) in attention.iter().enumerate() {
+            e.insert_hash(0, &key(i as u64), p, None).unwrap();
+        }
+        e.insert_hash(1, &key(100), state[0], None).unwrap();
+        e.free(0, &attention).unwrap();
+        e.free(1, &state).unwrap();
+        evicted.clear();
+        let got = e.allocate(0, 1, |g, id, _| evicted.push((g, id))).unwrap();
+        assert_eq!(evicted, [(0, attention[0])]);
+        assert_eq!(got, [attention[0]]);
+        assert!(e.pool(1).cache().is_cached(state[0]));
         e.check_invariants().unwrap();
     }
 
