@@ -144,6 +144,15 @@ MUTANTS = (
         ("cargo:elastic::tests::cached_pages_are_evicted",),
     ),
     Mutant(
+        "idle-slab-reused-first",
+        "a slab whose last page goes out of use is filled again first (its freed pages at the "
+        "front of the queue), so partly used slabs strand memory another group could take",
+        "rust/src/elastic.rs",
+        "            if budget.live(s) == 0 && budget.owner(s) == Some(g) {",
+        "            if budget.live(s) == 0 && budget.owner(s).is_none() {",
+        ("cargo:elastic::tests::a_slab_that_goes_idle",),
+    ),
+    Mutant(
         "admission-merged-order",
         "an admitted step is not reserved: only the plan of each group's blocks as one ask, "
         "which vLLM's order (every group's loaded-token blocks, then every group's new "

@@ -81,6 +81,9 @@ pub struct ByteBudget {
     /// group's slab idle the longest on this one clock, so the cached pages evicted are the
     /// oldest whichever group holds them, as in vLLM's one shared queue.
     freed_at: Vec<Vec<u64>>,
+    /// Slabs whose last live page went out of use since [`ByteBudget::take_went_idle`]
+    /// last emptied this (the caller may then reuse their pages last).
+    went_idle: Vec<SlabId>,
     clock: u64,
     changes: Vec<OwnerChanges>,
 }
@@ -163,6 +166,7 @@ impl ByteBudget {
             idle_slabs: vec![BTreeSet::new(); groups],
             idle_since: vec![0; slabs as usize],
             freed_at,
+            went_idle: Vec::new(),
             clock: 0,
             changes: vec![OwnerChanges::default(); groups],
         })
@@ -324,6 +328,27 @@ impl ByteBudget {
             .and_then(|pages| pages.get(page as usize))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// The slabs whose last live page went out of use since the last call, in order
+    /// (a slab that went in use again since is still listed).
+    pub fn take_went_idle(&mut self) -> Vec<SlabId> {
+        std::mem::take(&mut self.went_idle)
+    }
+
+    /// Whether a slab went idle since [`ByteBudget::take_went_idle`] was last called.
+    pub fn any_went_idle(&self) -> bool {
+        !self.went_idle.is_empty()
+    }
+
+    /// How many slabs [`ByteBudget::take_went_idle`] would return now.
+    pub fn num_went_idle(&self) -> usize {
+        self.went_idle.len()
+    }
+
+    /// Forget the slabs that went idle after the first `n` (changes undone).
+    pub fn forget_went_idle_after(&mut self, n: usize) {
+        self.went_idle.truncate(n);
     }
 
     /// Stamp group `g`'s `pages` as going out of use now, in order (called once the
@@ -521,6 +546,7 @@ impl ByteBudget {
         if self.live[s] == 0 {
             self.idle[g] += 1;
             self.mark_idle(g, s as SlabId);
+            self.went_idle.push(s as SlabId);
         }
         Ok(())
     }

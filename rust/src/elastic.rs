@@ -93,6 +93,7 @@ pub fn adopt(budget: &ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result
 /// (the budget and the pool disagree), those made are undone and the pool keeps every
 /// change for a later sync.
 pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
+    let idle_before = budget.num_went_idle();
     let changes = pool.take_live_changes();
     let apply = |budget: &mut ByteBudget, page: BlockId, live: bool| {
         if live {
@@ -108,7 +109,20 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
                 apply(budget, page, !live)?;
             }
             pool.restore_live_changes(changes);
+            budget.forget_went_idle_after(idle_before);
             return Err(e);
+        }
+    }
+    if budget.any_went_idle() && pool.cache().is_empty() {
+        // A slab whose last page went out of use is reused last: the group's next pages
+        // come from its partly used slabs first, so this one can stay idle, for another
+        // group to take back, instead of being filled again at once (freed uncached
+        // pages go to the front of the queue). Only where the pool caches nothing: its
+        // queue's back then holds no cached page for these to queue behind.
+        for s in budget.take_went_idle() {
+            if budget.live(s) == 0 && budget.owner(s) == Some(g) {
+                pool.reuse_last(budget.pages_in(g, s));
+            }
         }
     }
     budget.stamp_freed(
@@ -1065,6 +1079,27 @@ mod tests {
         assert_eq!(again.len(), 8);
         assert!(e.budget().owner_changes(1).released >= 1);
         assert!(pool_keys > 0);
+        e.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_slab_that_goes_idle_is_reused_last_where_nothing_is_cached() {
+        // No caching ('none' mode): four attention pages (group 0) or one state page
+        // (group 1) a slab.
+        let mut e = ElasticPools::new(64, 4, &[16, 64], false, 16).unwrap();
+        let none = |_: GroupIndex, _: BlockId, _: &[u8]| {};
+        let first = e.allocate(0, 4, none).unwrap(); // a whole slab
+        let second = e.allocate(0, 2, none).unwrap(); // half of the next one
+        let slab = |e: &ElasticPools, p: BlockId| e.budget().slab_of(0, p);
+        e.free(0, &first).unwrap();
+        assert_eq!(e.budget().num_idle(0), 1);
+        // Freed pages go to the front of the queue, but the slab that went idle goes to
+        // the back: the next pages fill the partly used slab.
+        let next = e.allocate(0, 2, none).unwrap();
+        assert!(next.iter().all(|&p| slab(&e, p) == slab(&e, second[0])));
+        assert_eq!(e.budget().num_idle(0), 1, "the idle slab was filled again");
+        // So the state group finds two slabs: the unowned one and the idle one.
+        assert_eq!(e.allocate(1, 2, none).unwrap().len(), 2);
         e.check_invariants().unwrap();
     }
 

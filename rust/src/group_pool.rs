@@ -186,6 +186,17 @@ impl GroupPool {
         &self.queue
     }
 
+    /// Move the free, uncached blocks of `ids` to the back of the free queue (reused
+    /// last), in order; blocks in use or cached stay where they are. Reference counts,
+    /// the cache and the live changes are untouched: only the order of reuse changes.
+    pub fn reuse_last(&mut self, ids: impl Iterator<Item = BlockId>) {
+        for id in ids {
+            if id != NULL_BLOCK_ID && !self.cache.has_primary(id) && self.queue.remove(id) {
+                self.queue.push_back(id);
+            }
+        }
+    }
+
     pub fn cache(&self) -> &PrefixCache {
         &self.cache
     }

@@ -39,10 +39,12 @@ LAYOUTS: dict[str, list[Any]] = {
 }
 
 
-SLABS = {"full+wide+mamba_none": 5, "full+mamba_none": 16}
+SLABS = {"full+wide+mamba_none": 5, "full+mamba_none": 16, "full+swa+mamba_none": 16}
 """Elastic budgets in slabs where not 24, so that every layout preempts: two full-attention
 pools get about as many bytes as the others' (their slab, the least common multiple of
-three page sizes, is eight times theirs); full attention beside one Mamba state, fewer."""
+three page sizes, is eight times theirs); full attention (with or without a sliding window)
+beside one Mamba state, fewer (with a slab that goes idle reused last, 24 slabs strand too
+little for the sliding-window layout to preempt)."""
 
 ROOM = 48
 """Elastic pools' decode room here (`PerGroupPoolsMixin._decode_room_asks`)."""
