@@ -81,8 +81,8 @@ pub struct ByteBudget {
     /// group's slab idle the longest on this one clock, so the cached pages evicted are the
     /// oldest whichever group holds them, as in vLLM's one shared queue.
     freed_at: Vec<Vec<u64>>,
-    /// Slabs whose last live page went out of use since [`ByteBudget::take_went_idle`]
-    /// last emptied this (the caller may then reuse their pages last).
+    /// Slabs whose last live page went out of use since the list was last emptied (each
+    /// sync empties it; the caller may reuse their pages last).
     went_idle: Vec<SlabId>,
     clock: u64,
     changes: Vec<OwnerChanges>,
@@ -330,23 +330,24 @@ impl ByteBudget {
             .unwrap_or(0)
     }
 
-    /// The slabs whose last live page went out of use since the last call, in order
-    /// (a slab that went in use again since is still listed).
-    pub fn take_went_idle(&mut self) -> Vec<SlabId> {
-        std::mem::take(&mut self.went_idle)
-    }
-
-    /// Whether a slab went idle since [`ByteBudget::take_went_idle`] was last called.
+    /// Whether a slab's last live page went out of use since the list was last emptied
+    /// ([`ByteBudget::forget_went_idle_after`] with 0).
     pub fn any_went_idle(&self) -> bool {
         !self.went_idle.is_empty()
     }
 
-    /// How many slabs [`ByteBudget::take_went_idle`] would return now.
+    /// How many slabs the list holds (a slab in use again since is still listed).
     pub fn num_went_idle(&self) -> usize {
         self.went_idle.len()
     }
 
-    /// Forget the slabs that went idle after the first `n` (changes undone).
+    /// The `i`-th slab of the list, in the order they went idle.
+    pub fn went_idle_slab(&self, i: usize) -> Option<SlabId> {
+        self.went_idle.get(i).copied()
+    }
+
+    /// Forget the slabs listed after the first `n` (0: empty the list; a refused sync
+    /// forgets those its undone changes listed).
     pub fn forget_went_idle_after(&mut self, n: usize) {
         self.went_idle.truncate(n);
     }

@@ -113,17 +113,24 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
             return Err(e);
         }
     }
-    if budget.any_went_idle() && pool.cache().is_empty() {
+    if budget.any_went_idle() {
         // A slab whose last page went out of use is reused last: the group's next pages
         // come from its partly used slabs first, so this one can stay idle, for another
         // group to take back, instead of being filled again at once (freed uncached
         // pages go to the front of the queue). Only where the pool caches nothing: its
-        // queue's back then holds no cached page for these to queue behind.
-        for s in budget.take_went_idle() {
-            if budget.live(s) == 0 && budget.owner(s) == Some(g) {
-                pool.reuse_last(budget.pages_in(g, s));
+        // queue's back then holds no cached page for these to queue behind. The list is
+        // emptied either way (it keeps its capacity: no allocation per idle slab).
+        if pool.cache().is_empty() {
+            for i in 0..budget.num_went_idle() {
+                let Some(s) = budget.went_idle_slab(i) else {
+                    break;
+                };
+                if budget.live(s) == 0 && budget.owner(s) == Some(g) {
+                    pool.reuse_last(budget.pages_in(g, s));
+                }
             }
         }
+        budget.forget_went_idle_after(0);
     }
     budget.stamp_freed(
         g,
@@ -1093,6 +1100,7 @@ mod tests {
         let slab = |e: &ElasticPools, p: BlockId| e.budget().slab_of(0, p);
         e.free(0, &first).unwrap();
         assert_eq!(e.budget().num_idle(0), 1);
+        assert_eq!(e.budget().num_went_idle(), 0, "each sync empties the list");
         // Freed pages go to the front of the queue, but the slab that went idle goes to
         // the back: the next pages fill the partly used slab.
         let next = e.allocate(0, 2, none).unwrap();
@@ -1187,6 +1195,7 @@ mod tests {
         // state) instead of evicting its own least recently freed page.
         e.free(1, &state).unwrap();
         e.free(0, &attention).unwrap();
+        assert_eq!(e.budget().num_went_idle(), 0, "each sync empties the list");
         let mut evicted = Vec::new();
         let got = e.allocate(0, 1, |g, id, _| evicted.push((g, id))).unwrap();
         assert_eq!(evicted, [(1, state[0])]);
