@@ -330,20 +330,11 @@ impl ByteBudget {
             .unwrap_or(0)
     }
 
-    /// Whether a slab's last live page went out of use since the list was last emptied
-    /// ([`ByteBudget::forget_went_idle_after`] with 0).
-    pub fn any_went_idle(&self) -> bool {
-        !self.went_idle.is_empty()
-    }
-
-    /// How many slabs the list holds (a slab in use again since is still listed).
-    pub fn num_went_idle(&self) -> usize {
-        self.went_idle.len()
-    }
-
-    /// The `i`-th slab of the list, in the order they went idle.
-    pub fn went_idle_slab(&self, i: usize) -> Option<SlabId> {
-        self.went_idle.get(i).copied()
+    /// The slabs whose last live page went out of use since the list was last emptied
+    /// ([`ByteBudget::forget_went_idle_after`] with 0), in that order (a slab in use
+    /// again since is still listed).
+    pub fn went_idle(&self) -> &[SlabId] {
+        &self.went_idle
     }
 
     /// Forget the slabs listed after the first `n` (0: empty the list; a refused sync

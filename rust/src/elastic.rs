@@ -93,7 +93,7 @@ pub fn adopt(budget: &ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result
 /// (the budget and the pool disagree), those made are undone and the pool keeps every
 /// change for a later sync.
 pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
-    let idle_before = budget.num_went_idle();
+    let idle_before = budget.went_idle().len();
     let changes = pool.take_live_changes();
     let apply = |budget: &mut ByteBudget, page: BlockId, live: bool| {
         if live {
@@ -113,7 +113,7 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
             return Err(e);
         }
     }
-    if budget.any_went_idle() {
+    if !budget.went_idle().is_empty() {
         // A slab whose last page went out of use is reused last: the group's next pages
         // come from its partly used slabs first, so this one can stay idle, for another
         // group to take back, instead of being filled again at once (freed uncached
@@ -121,10 +121,7 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
         // queue's back then holds no cached page for these to queue behind. The list is
         // emptied either way (it keeps its capacity: no allocation per idle slab).
         if pool.cache().is_empty() {
-            for i in 0..budget.num_went_idle() {
-                let Some(s) = budget.went_idle_slab(i) else {
-                    break;
-                };
+            for &s in budget.went_idle() {
                 if budget.live(s) == 0 && budget.owner(s) == Some(g) {
                     pool.reuse_last(budget.pages_in(g, s));
                 }
@@ -257,6 +254,14 @@ impl Virtual<'_> {
                     .is_some_and(|s| self.reclaimed.contains(&s)))
     }
 
+    /// The first page of `g`'s virtual queue from `at` on (pages gone in this step skipped).
+    fn skip_gone(&self, g: GroupIndex, mut at: Option<BlockId>) -> Option<BlockId> {
+        while let Some(p) = at.filter(|&p| self.gone(g, p)) {
+            at = self.pools[g].queue().next_of(p);
+        }
+        at
+    }
+
     /// Up to `n` pages from the front of `g`'s virtual queue, stopping at the first cached
     /// one if `uncached_only`; taken (and their slabs pinned) only if `take`.
     fn walk(&mut self, g: GroupIndex, n: usize, uncached_only: bool, take: bool) -> usize {
@@ -268,11 +273,10 @@ impl Virtual<'_> {
         // enter the queue together), so the map is touched once per slab, not per page.
         let mut run: Option<(SlabId, Range<BlockId>, u32)> = None;
         while count < n {
-            let Some(p) = at else { break };
+            let Some(p) = self.skip_gone(g, at) else {
+                break;
+            };
             at = pool.queue().next_of(p);
-            if self.gone(g, p) {
-                continue;
-            }
             if uncached_only && pool.cache().is_cached(p) {
                 break;
             }
@@ -409,13 +413,7 @@ impl Virtual<'_> {
             return Err((need - available - candidates.len() * per_slab).min(need));
         }
         let (budget, pool) = (self.budget, self.pools[g]);
-        // The next page of the virtual queue from `at` on (pages gone in this step skipped).
-        let skip_gone = |mut at: Option<BlockId>| {
-            while let Some(p) = at.filter(|&p| self.gone(g, p)) {
-                at = pool.queue().next_of(p);
-            }
-            at
-        };
+        let skip_gone = |at: Option<BlockId>| self.skip_gone(g, at);
         let mut taken = 0;
         let mut popped = 0;
         let mut next = skip_gone(self.cursor[g]);
@@ -1100,7 +1098,10 @@ mod tests {
         let slab = |e: &ElasticPools, p: BlockId| e.budget().slab_of(0, p);
         e.free(0, &first).unwrap();
         assert_eq!(e.budget().num_idle(0), 1);
-        assert_eq!(e.budget().num_went_idle(), 0, "each sync empties the list");
+        assert!(
+            e.budget().went_idle().is_empty(),
+            "each sync empties the list"
+        );
         // Freed pages go to the front of the queue, but the slab that went idle goes to
         // the back: the next pages fill the partly used slab.
         let next = e.allocate(0, 2, none).unwrap();
@@ -1195,7 +1196,10 @@ mod tests {
         // state) instead of evicting its own least recently freed page.
         e.free(1, &state).unwrap();
         e.free(0, &attention).unwrap();
-        assert_eq!(e.budget().num_went_idle(), 0, "each sync empties the list");
+        assert!(
+            e.budget().went_idle().is_empty(),
+            "each sync empties the list"
+        );
         let mut evicted = Vec::new();
         let got = e.allocate(0, 1, |g, id, _| evicted.push((g, id))).unwrap();
         assert_eq!(evicted, [(1, state[0])]);
