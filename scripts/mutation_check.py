@@ -183,6 +183,15 @@ MUTANTS = (
         ("tests/engine/test_nixl_layout.py",),
     ),
     Mutant(
+        "divisor-block-halves",
+        "HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor halves vLLM's block whether or not the half "
+        "divides it",
+        "python/hybrid_alloc/sizing.py",
+        "    return unit * (parts // smallest)",
+        "    return hybrid // 2 // unit * unit",
+        ("tests/engine/test_integration.py",),
+    ),
+    Mutant(
         "take-back-tells-nobody",
         "a slab taken back from a group evicts and holds its pages without telling their "
         "unpin_blocks watchers or the metrics collector",

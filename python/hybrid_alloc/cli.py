@@ -27,6 +27,7 @@ from hybrid_alloc.planner import (
     shipped_configs,
 )
 from hybrid_alloc.settings import selected_backend
+from hybrid_alloc.sizing import divisor_block
 from hybrid_alloc.step_time import TIME_MODELS
 from hybrid_alloc.vllm_specs import SPEC_SOURCES, describe_source, load_model_spec
 
@@ -289,11 +290,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     report(result)
     if args.mamba_cache_mode == "align" and result.stock.block_size > args.block_size:
         # The worker hook (integration/worker/runner.py) keeps vLLM's layout here.
+        stock_block = result.stock.block_size
+        divisor = (
+            divisor_block(stock_block, args.block_size)
+            if stock_block % args.block_size == 0
+            else args.block_size
+        )
         print(
             f"\nnote: in 'align' mode vLLM raises the block size to {result.stock.block_size} "
             "tokens for this model, so the engine runs the stock layout above (vLLM's "
             "shared pool, on the Rust pool); 'ours' is what HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 "
-            "runs"
+            f"runs; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs {divisor}-token blocks "
+            f"(plan them with --block-size {divisor})"
         )
     if args.plot:
         title = (

@@ -17,9 +17,10 @@
   (default on; :mod:`hybrid_alloc.integration.worker.cpu_mamba2_align`). Both backends.
 * ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: with per-group pools and Mamba 'align' mode (prefix
   caching), whether attention and Mamba/GDN blocks stay at the configured block size (``1``)
-  rather than vLLM's hybrid block size, one state page long (default off: fine blocks give
-  finer prefix hits but move each state to a new page every block, and under memory
-  pressure that preempts far more than stock; see the README).
+  or at the largest block that divides vLLM's hybrid block into two or more equal parts
+  (``divisor``), rather than vLLM's hybrid block size, one state page long (default off:
+  finer blocks give finer prefix hits but move each state to a new page every block, and
+  under memory pressure that preempts more than stock; see the README).
 * ``HYBRID_ALLOC_KEEP_STATE_PAGES``: with elastic pools and fine 'align' blocks, whether a
   state pool keeps one idle page per live state out of other pools' reach (default off).
 
@@ -51,6 +52,8 @@ KEEP_STATE_PAGES_DEFAULT = False
 
 FINE_ALIGN_BLOCKS_ENV_VAR = "HYBRID_ALLOC_FINE_ALIGN_BLOCKS"
 FINE_ALIGN_BLOCKS_DEFAULT = False
+# The values of HYBRID_ALLOC_FINE_ALIGN_BLOCKS besides the on/off ones.
+FINE_ALIGN_DIVISOR = "divisor"
 
 PREFIX = "HYBRID_ALLOC_"
 SWITCHES = (
@@ -126,14 +129,33 @@ def keep_state_pages_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(KEEP_STATE_PAGES_ENV_VAR, environ, default=KEEP_STATE_PAGES_DEFAULT)
 
 
-def fine_align_blocks_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` keeps 'align'-mode blocks at the configured
-    block size under per-group pools (unset: off, vLLM's hybrid block size is used).
+def fine_align_blocks(environ: Mapping[str, str] | None = None) -> str | None:
+    """What ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` asks of 'align'-mode blocks under per-group
+    pools: None (unset or off: vLLM's hybrid block size), ``"configured"`` (true-ish: the
+    configured block size) or ``"divisor"`` (the largest multiple of the configured block
+    that divides vLLM's hybrid block into two or more equal parts).
 
     Raises:
-        ValueError: a value that is neither true-ish nor false-ish.
+        ValueError: a value that is none of those, naming the variable and what it takes.
     """
-    return _switch(FINE_ALIGN_BLOCKS_ENV_VAR, environ, default=FINE_ALIGN_BLOCKS_DEFAULT)
+    env = os.environ if environ is None else environ
+    if env.get(FINE_ALIGN_BLOCKS_ENV_VAR, "").strip().lower() == FINE_ALIGN_DIVISOR:
+        return FINE_ALIGN_DIVISOR
+    try:
+        on = _switch(FINE_ALIGN_BLOCKS_ENV_VAR, env, default=FINE_ALIGN_BLOCKS_DEFAULT)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or {FINE_ALIGN_DIVISOR}") from None
+    return "configured" if on else None
+
+
+def fine_align_blocks_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` asks for 'align'-mode blocks finer than
+    vLLM's hybrid block size under per-group pools (:func:`fine_align_blocks`; unset: off).
+
+    Raises:
+        ValueError: a value :func:`fine_align_blocks` does not take.
+    """
+    return fine_align_blocks(environ) is not None
 
 
 def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:

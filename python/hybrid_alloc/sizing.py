@@ -784,3 +784,27 @@ def size_elastic(
             (),
         )
     return result
+
+
+def divisor_block(hybrid: int, unit: int) -> int:
+    """The largest multiple of ``unit`` (the configured block size) that divides ``hybrid``
+    (vLLM's hybrid block size, a multiple of ``unit``) into two or more equal parts;
+    ``unit`` itself where nothing larger does.
+
+    Every block boundary of vLLM's layout is then one of ours too, and vLLM's rule raises
+    this block back to ``hybrid`` (so the decode room, counted from that rule, is stock's).
+    Blocks that do not divide it were tried (half of it, rounded down): at 16 GiB they left
+    each running request more decode room than stock and lost chat cells to it.
+
+    Raises:
+        ValueError: ``unit`` not positive, or ``hybrid`` not a multiple of it.
+    """
+    if unit <= 0 or hybrid <= 0 or hybrid % unit:
+        raise ValueError(
+            f"divisor_block: hybrid block {hybrid} is not a positive multiple of the "
+            f"configured block {unit}"
+        )
+    parts = hybrid // unit
+    # The largest proper divisor of `parts` is parts / (its smallest prime factor).
+    smallest = next((p for p in range(2, math.isqrt(parts) + 1) if parts % p == 0), parts)
+    return unit * (parts // smallest)

@@ -88,6 +88,79 @@ def test_worker_hook_keeps_natural_pages(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not runner.is_installed()
 
 
+@pytest.mark.parametrize(
+    ("hybrid", "unit", "block"),
+    [
+        (784, 16, 112),  # Qwen3.5-27B: 49 units, 7 x 7
+        (1568, 16, 784),  # Falcon-H1-7B
+        (1040, 16, 208),  # Nemotron-H-8B: 65 units, 5 x 13
+        (528, 16, 176),  # Granite 4.0-H-Small: 33 units, 3 x 11
+        (2096, 16, 16),  # Nemotron-3-Nano: 131 units, a prime
+        (48, 16, 16),  # Zamba2-2.7B
+        (32, 16, 16),
+        (1024, 256, 512),
+    ],
+)
+def test_divisor_block(hybrid: int, unit: int, block: int) -> None:
+    from hybrid_alloc.sizing import divisor_block
+
+    assert divisor_block(hybrid, unit) == block
+    assert hybrid % block == 0 and block % unit == 0 and hybrid // block >= 2
+    # The largest such block: no multiple of the unit between it and half of vLLM's.
+    assert not any(hybrid % b == 0 for b in range(block + unit, hybrid // 2 + 1, unit))
+
+
+@pytest.mark.parametrize(("hybrid", "unit"), [(100, 16), (16, 0), (0, 16)])
+def test_divisor_block_refuses_what_is_not_a_multiple(hybrid: int, unit: int) -> None:
+    from hybrid_alloc.sizing import divisor_block
+
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        divisor_block(hybrid, unit)
+
+
+def test_worker_hook_divisor_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor: where vLLM's rule raises the block (here 16
+    to 784 tokens), the block is the largest that divides it (112), pages unpadded, and a
+    second run of the hook (workers run it more than once) keeps it; where the rule does
+    not raise it, the configured block stays, as with ``1``."""
+    from vllm.platforms.interface import Platform
+
+    from hybrid_alloc.integration.worker import runner
+
+    raised = {"block": 784}
+
+    def stock_align(cls: Any, vllm_config: Any, backend: Any) -> None:
+        # vLLM's rule: the smallest multiple of the configured block covering the state.
+        cache = vllm_config.cache_config
+        need = raised["block"]
+        cache.block_size = max(cache.block_size, -(-need // cache.block_size) * cache.block_size)
+        cache.mamba_block_size = cache.block_size
+        cache.mamba_page_size_padded = 12345
+
+    monkeypatch.setattr(runner, "_stock_align", classmethod(stock_align))
+    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "divisor")
+    cfg = fake_vllm_config("align", caching=True)
+    cache = cfg.cache_config
+    cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, None
+    runner.install()
+    try:
+        Platform._align_hybrid_block_size(cfg, None)
+        state = (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded)
+        assert state == (112, 112, None)
+        Platform._align_hybrid_block_size(cfg, None)
+        assert (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded) == state
+        raised["block"] = 16
+        cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, None
+        Platform._align_hybrid_block_size(cfg, None)
+        assert (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded) == (
+            16,
+            16,
+            None,
+        )
+    finally:
+        runner.uninstall()
+
+
 def test_switch() -> None:
     from hybrid_alloc.settings import PER_GROUP_ENV_VAR, per_group_pools_enabled
 

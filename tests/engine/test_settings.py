@@ -46,6 +46,21 @@ def test_off_unless_asked_switches(name: str) -> None:
     assert "unset or empty: off" in str(err.value)
 
 
+def test_fine_align_blocks_values() -> None:
+    """``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: off, the configured block, or the divisor of
+    vLLM's hybrid block; anything else is refused with what it takes."""
+    name = settings.FINE_ALIGN_BLOCKS_ENV_VAR
+    parse = settings.fine_align_blocks
+    assert parse({}) is None and parse({name: ""}) is None and parse({name: "off"}) is None
+    assert parse({name: "1"}) == parse({name: " On "}) == "configured"
+    assert parse({name: "divisor"}) == parse({name: " Divisor "}) == "divisor"
+    assert settings.fine_align_blocks_enabled({name: "divisor"})
+    with pytest.raises(ValueError, match=name) as err:
+        parse({name: "half"})
+    assert "'half'" in str(err.value) and "divisor" in str(err.value)
+    settings.check_environment({name: "divisor"})
+
+
 def test_kept_state_pages_reach_the_layout_only_when_asked() -> None:
     """The engine's elastic layout carries the kept pages only with
     ``HYBRID_ALLOC_KEEP_STATE_PAGES`` on."""

@@ -538,6 +538,8 @@ def test_cli_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert f"wrote {png}" in out
     # 'align' mode: the engine keeps vLLM's layout where vLLM raises the block size.
     assert "the engine runs the stock layout above" in out
+    # Qwen3.5-0.8B: vLLM raises 16 to 544 tokens, which 272-token blocks halve.
+    assert "HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs 272-token blocks" in out
     assert main(["plan", "qwen3.5-0.8b", "--memory", "24GiB"]) == 0
     assert "the engine runs the stock layout" not in capsys.readouterr().out
 

@@ -233,6 +233,33 @@ def test_align_mode_default_is_vllms_layout(monkeypatch: pytest.MonkeyPatch) -> 
     assert fine.ok and fine.note is None and fine.attention_block_size == 16
 
 
+def test_divisor_blocks_in_align_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor on a full-size model in 'align' mode: per-group
+    pools at the largest block dividing vLLM's (Qwen3.5-0.8B: 544 = 2 x 272 tokens), each
+    running request left half of vLLM's block to decode into, as at 16-token blocks; the
+    trace runs to the end with prefix hits."""
+    from hybrid_alloc.planner import load_config
+    from hybrid_alloc.traces import prefix_trace
+    from hybrid_alloc.vllm_specs import load_model_spec
+
+    sim = _sim()
+    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "divisor")
+    config = sim.SimSettings(
+        memory=384 << 20, mamba_cache_mode="align", max_num_seqs=16, max_model_len=8192
+    )
+    result = sim.simulate("qwen3.5-0.8b", config, prefix_trace(num_requests=60))
+    stock, ours = result.layouts["stock"], result.layouts["elastic"]
+    assert stock.ok and ours.ok, (stock.error, ours.error)
+    assert ours.note is None and stock.attention_block_size == 544
+    assert ours.attention_block_size == 272
+    assert ours.finished == stock.finished == 60 and ours.prefix_hits > 0
+    assert ours.invariants_ok and not any(ours.leaked_blocks.values())
+    model = load_model_spec(load_config("qwen3.5-0.8b"), config.specs, dtype=config.dtype)
+    with sim.layout_installed("elastic"), sim.quiet_vllm(True):
+        engine = sim.build_engine(load_config("qwen3.5-0.8b"), model, config, "elastic")
+    assert engine.kv_cache_config.decode_room_tokens == 544 // 2
+
+
 def test_refusals_are_reported_not_raised() -> None:
     """A layout that cannot be built (here: 64 MiB hold no 32k-token request of
     Qwen3.6's attention on either layout) has its ``error`` set; the run goes on."""

@@ -51,6 +51,7 @@ from vllm.platforms.interface import Platform
 
 from hybrid_alloc.integration import hooks
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
+from hybrid_alloc.sizing import divisor_block
 
 # vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
 logger = init_logger("vllm.hybrid_alloc")
@@ -91,10 +92,13 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
     ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` is off. At the configured block size a state would
     move to a new page, many attention pages large, at every block boundary, which under
     memory pressure preempts far more often than stock; at the raised size per-group pools
-    have stock's blocks, crossings and prefix hits, and nothing to gain over its pool."""
-    from hybrid_alloc.settings import fine_align_blocks_enabled
+    have stock's blocks, crossings and prefix hits, and nothing to gain over its pool.
+    ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor`` sets the block between the two
+    (:func:`hybrid_alloc.sizing.divisor_block`); ``1`` keeps the configured one."""
+    from hybrid_alloc.settings import FINE_ALIGN_DIVISOR, fine_align_blocks
 
-    if fine_align_blocks_enabled():
+    fine = fine_align_blocks()
+    if fine is not None and fine != FINE_ALIGN_DIVISOR:
         return False
     cache_config = vllm_config.cache_config
     configured = (
@@ -110,6 +114,26 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
         # An earlier call kept vLLM's layout (workers run the hook more than once): only
         # vLLM's rule pads, and where it is not kept the padding is undone.
         return True
+    hybrid = cache_config.block_size
+    if fine == FINE_ALIGN_DIVISOR and hybrid > configured[0]:
+        block = divisor_block(hybrid, configured[0])
+        (
+            cache_config.block_size,
+            cache_config.mamba_block_size,
+            cache_config.mamba_page_size_padded,
+        ) = (block, block, None)
+        if block != configured[0]:
+            # Later calls start from this block, raise it back to vLLM's and choose it
+            # again (it is the only candidate that is a multiple of itself): said once.
+            logger.info(
+                "hybrid_alloc: Mamba 'align' mode: per-group pools at %d-token blocks, "
+                "1/%d of vLLM's hybrid block of %d tokens (HYBRID_ALLOC_FINE_ALIGN_BLOCKS="
+                "divisor)",
+                block,
+                hybrid // block,
+                hybrid,
+            )
+        return False
     if cache_config.block_size > configured[0]:
         logger.info(
             "hybrid_alloc: Mamba 'align' mode: vLLM's shared KV-cache layout kept (attention "
