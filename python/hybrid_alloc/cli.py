@@ -289,19 +289,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 1
     report(result)
     if args.mamba_cache_mode == "align" and result.stock.block_size > args.block_size:
-        # The worker hook (integration/worker/runner.py) keeps vLLM's layout here.
+        # The worker hook (integration/worker/runner.py) decides the engine's layout here.
         stock_block = result.stock.block_size
         divisor = (
             divisor_block(stock_block, args.block_size)
             if stock_block % args.block_size == 0
             else args.block_size
         )
+        if 2 * divisor == stock_block:
+            engine = (
+                f"the engine runs per-group pools at {divisor}-token blocks, half of it "
+                f"(HYBRID_ALLOC_FINE_ALIGN_BLOCKS unset; plan them with --block-size {divisor})"
+            )
+        else:
+            engine = (
+                "the engine runs the stock layout above (vLLM's shared pool, on the Rust "
+                "pool), as no whole number of configured blocks halves it; "
+                f"HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs {divisor}-token blocks "
+                f"(plan them with --block-size {divisor})"
+            )
         print(
-            f"\nnote: in 'align' mode vLLM raises the block size to {result.stock.block_size} "
-            "tokens for this model, so the engine runs the stock layout above (vLLM's "
-            "shared pool, on the Rust pool); 'ours' is what HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 "
-            f"runs; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs {divisor}-token blocks "
-            f"(plan them with --block-size {divisor})"
+            f"\nnote: in 'align' mode vLLM raises the block size to {stock_block} tokens "
+            f"for this model, so {engine}; 'ours' is what HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 "
+            "runs"
         )
     if args.plot:
         title = (

@@ -16,11 +16,12 @@
   gives the Mamba2 layers the mid-prefill checkpoints of 'align' mode (prefix caching)
   (default on; :mod:`hybrid_alloc.integration.worker.cpu_mamba2_align`). Both backends.
 * ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: with per-group pools and Mamba 'align' mode (prefix
-  caching), whether attention and Mamba/GDN blocks stay at the configured block size (``1``)
-  or at the largest block that divides vLLM's hybrid block into two or more equal parts
-  (``divisor``), rather than vLLM's hybrid block size, one state page long (default off:
-  finer blocks give finer prefix hits but move each state to a new page every block, and
-  under memory pressure that preempts more than stock; see the README).
+  caching), where vLLM raises the block size to one state page: unset (``half``), per-group
+  pools at half of vLLM's block where that divides it into two blocks of the configured
+  size, else vLLM's layout; ``0``: vLLM's layout always; ``1``: the configured block size;
+  ``divisor``: the largest block that divides vLLM's into two or more equal parts. Finer
+  blocks give finer prefix hits but move each state to a new page every block, and under
+  memory pressure that preempts more than stock (see the README).
 * ``HYBRID_ALLOC_KEEP_STATE_PAGES``: with elastic pools and fine 'align' blocks, whether a
   state pool keeps one idle page per live state out of other pools' reach (default off).
 
@@ -51,9 +52,12 @@ KEEP_STATE_PAGES_ENV_VAR = "HYBRID_ALLOC_KEEP_STATE_PAGES"
 KEEP_STATE_PAGES_DEFAULT = False
 
 FINE_ALIGN_BLOCKS_ENV_VAR = "HYBRID_ALLOC_FINE_ALIGN_BLOCKS"
-FINE_ALIGN_BLOCKS_DEFAULT = False
-# The values of HYBRID_ALLOC_FINE_ALIGN_BLOCKS besides the on/off ones.
+# What HYBRID_ALLOC_FINE_ALIGN_BLOCKS asks for (:func:`fine_align_blocks`).
+FINE_ALIGN_OFF = "off"
+FINE_ALIGN_HALF = "half"
+FINE_ALIGN_CONFIGURED = "configured"
 FINE_ALIGN_DIVISOR = "divisor"
+FINE_ALIGN_BLOCKS_DEFAULT = FINE_ALIGN_HALF
 
 PREFIX = "HYBRID_ALLOC_"
 SWITCHES = (
@@ -129,33 +133,34 @@ def keep_state_pages_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _switch(KEEP_STATE_PAGES_ENV_VAR, environ, default=KEEP_STATE_PAGES_DEFAULT)
 
 
-def fine_align_blocks(environ: Mapping[str, str] | None = None) -> str | None:
+def fine_align_blocks(environ: Mapping[str, str] | None = None) -> str:
     """What ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` asks of 'align'-mode blocks under per-group
-    pools: None (unset or off: vLLM's hybrid block size), ``"configured"`` (true-ish: the
-    configured block size) or ``"divisor"`` (the largest multiple of the configured block
-    that divides vLLM's hybrid block into two or more equal parts).
+    pools where vLLM raises the block size: ``"half"`` (unset or empty, or ``half``: half of
+    vLLM's block where that is a whole number of configured blocks, else vLLM's block),
+    ``"off"`` (false-ish: vLLM's block), ``"configured"`` (true-ish: the configured block)
+    or ``"divisor"`` (the largest multiple of the configured block that divides vLLM's into
+    two or more equal parts).
 
     Raises:
         ValueError: a value that is none of those, naming the variable and what it takes.
     """
     env = os.environ if environ is None else environ
-    if env.get(FINE_ALIGN_BLOCKS_ENV_VAR, "").strip().lower() == FINE_ALIGN_DIVISOR:
+    raw = env.get(FINE_ALIGN_BLOCKS_ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in ("", FINE_ALIGN_HALF):
+        return FINE_ALIGN_HALF
+    if value == FINE_ALIGN_DIVISOR:
         return FINE_ALIGN_DIVISOR
-    try:
-        on = _switch(FINE_ALIGN_BLOCKS_ENV_VAR, env, default=FINE_ALIGN_BLOCKS_DEFAULT)
-    except ValueError as exc:
-        raise ValueError(f"{exc}; or {FINE_ALIGN_DIVISOR}") from None
-    return "configured" if on else None
-
-
-def fine_align_blocks_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` asks for 'align'-mode blocks finer than
-    vLLM's hybrid block size under per-group pools (:func:`fine_align_blocks`; unset: off).
-
-    Raises:
-        ValueError: a value :func:`fine_align_blocks` does not take.
-    """
-    return fine_align_blocks(environ) is not None
+    if value in _TRUE:
+        return FINE_ALIGN_CONFIGURED
+    if value in _FALSE:
+        return FINE_ALIGN_OFF
+    raise ValueError(
+        f"{FINE_ALIGN_BLOCKS_ENV_VAR}={raw!r} is not understood; valid values are: "
+        f"{FINE_ALIGN_HALF}, {FINE_ALIGN_DIVISOR}, "
+        + ", ".join(_TRUE[1:] + _FALSE)
+        + f" (unset or empty: {FINE_ALIGN_HALF})"
+    )
 
 
 def cpu_gdn_spec_fix_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -215,4 +220,4 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     cpu_gdn_spec_fix_enabled(env)
     cpu_mamba2_align_fix_enabled(env)
     keep_state_pages_enabled(env)
-    fine_align_blocks_enabled(env)
+    fine_align_blocks(env)

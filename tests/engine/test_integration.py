@@ -21,7 +21,7 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
     from hybrid_alloc.integration.worker import runner
 
     calls: list[Any] = []
-    raised = {"block": 64}
+    raised = {"block": 48}  # three 16-token blocks: no whole number of them halves it
 
     def stock_align(cls: Any, vllm_config: Any, backend: Any) -> None:
         calls.append(vllm_config)
@@ -42,12 +42,12 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
 
     runner.install()
     try:
-        assert run() == (64, 64, 12345)  # raised: vLLM's layout kept
+        assert run() == (48, 48, 12345)  # raised: vLLM's layout kept
         # Workers run the hook more than once: a second run keeps it.
         Platform._align_hybrid_block_size(cfg, None)
         assert (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded) == (
-            64,
-            64,
+            48,
+            48,
             12345,
         )
         calls.pop()
@@ -55,10 +55,10 @@ def test_worker_hook_pads_where_sizing_falls_back(monkeypatch: pytest.MonkeyPatc
         assert run() == (16, 16, None)  # not raised: undone, natural pages
         assert len(calls) == 2
         monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
-        raised["block"] = 64
+        raised["block"] = 48
         assert run() == (16, 16, None) and len(calls) == 2
         cfg.kv_transfer_config = kv_connector()
-        assert run() == (64, 64, 12345) and len(calls) == 3
+        assert run() == (48, 48, 12345) and len(calls) == 3
     finally:
         runner.uninstall()
 
@@ -118,16 +118,31 @@ def test_divisor_block_refuses_what_is_not_a_multiple(hybrid: int, unit: int) ->
         divisor_block(hybrid, unit)
 
 
-def test_worker_hook_divisor_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor: where vLLM's rule raises the block (here 16
-    to 784 tokens), the block is the largest that divides it (112), pages unpadded, and a
-    second run of the hook (workers run it more than once) keeps it; where the rule does
-    not raise it, the configured block stays, as with ``1``."""
+@pytest.mark.parametrize(
+    ("setting", "hybrid", "block"),
+    [
+        ("divisor", 784, 112),  # 49 blocks of 16: the largest divisor, a seventh
+        (None, 784, 784),  # unset: 49 is odd, no half; vLLM's layout (padded)
+        ("0", 96, 96),  # off: vLLM's layout even where a half divides it
+        (None, 96, 48),  # unset: 6 blocks of 16, halved
+        ("half", 96, 48),
+        ("divisor", 96, 48),
+    ],
+)
+def test_worker_hook_finer_blocks(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, hybrid: int, block: int
+) -> None:
+    """Where vLLM's rule raises the block (16 to ``hybrid`` tokens):
+    HYBRID_ALLOC_FINE_ALIGN_BLOCKS unset halves it where a whole number of 16-token blocks
+    does, ``divisor`` takes the largest block dividing it, ``0`` keeps vLLM's layout;
+    per-group blocks leave pages unpadded, and a second run of the hook (workers run it
+    more than once) keeps what the first chose. Where the rule does not raise it, the
+    configured block stays."""
     from vllm.platforms.interface import Platform
 
     from hybrid_alloc.integration.worker import runner
 
-    raised = {"block": 784}
+    raised = {"block": hybrid}
 
     def stock_align(cls: Any, vllm_config: Any, backend: Any) -> None:
         # vLLM's rule: the smallest multiple of the configured block covering the state.
@@ -135,18 +150,23 @@ def test_worker_hook_divisor_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
         need = raised["block"]
         cache.block_size = max(cache.block_size, -(-need // cache.block_size) * cache.block_size)
         cache.mamba_block_size = cache.block_size
-        cache.mamba_page_size_padded = 12345
+        if cache.block_size != need or need > 16:
+            cache.mamba_page_size_padded = 12345
 
     monkeypatch.setattr(runner, "_stock_align", classmethod(stock_align))
-    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "divisor")
+    if setting is None:
+        monkeypatch.delenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", setting)
     cfg = fake_vllm_config("align", caching=True)
     cache = cfg.cache_config
     cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded = 16, None, None
+    padded = 12345 if block == hybrid else None
     runner.install()
     try:
         Platform._align_hybrid_block_size(cfg, None)
         state = (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded)
-        assert state == (112, 112, None)
+        assert state == (block, block, padded)
         Platform._align_hybrid_block_size(cfg, None)
         assert (cache.block_size, cache.mamba_block_size, cache.mamba_page_size_padded) == state
         raised["block"] = 16

@@ -29,8 +29,6 @@ def test_on_off_switches(name: str) -> None:
 
 
 OFF_SWITCH_PARSERS = {
-    # The worker hook's use of it: tests/engine/test_integration.py.
-    settings.FINE_ALIGN_BLOCKS_ENV_VAR: settings.fine_align_blocks_enabled,
     # Costs memory where many short requests run; the layout's use of it below.
     settings.KEEP_STATE_PAGES_ENV_VAR: settings.keep_state_pages_enabled,
 }
@@ -47,17 +45,19 @@ def test_off_unless_asked_switches(name: str) -> None:
 
 
 def test_fine_align_blocks_values() -> None:
-    """``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: off, the configured block, or the divisor of
-    vLLM's hybrid block; anything else is refused with what it takes."""
+    """``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: halves by default, off, the configured block, or
+    the divisor of vLLM's hybrid block; anything else is refused with what it takes. (The
+    worker hook's use of it: tests/engine/test_integration.py.)"""
     name = settings.FINE_ALIGN_BLOCKS_ENV_VAR
     parse = settings.fine_align_blocks
-    assert parse({}) is None and parse({name: ""}) is None and parse({name: "off"}) is None
+    assert parse({}) == parse({name: ""}) == parse({name: " Half "}) == "half"
+    assert parse({name: "0"}) == parse({name: "off"}) == "off"
     assert parse({name: "1"}) == parse({name: " On "}) == "configured"
     assert parse({name: "divisor"}) == parse({name: " Divisor "}) == "divisor"
-    assert settings.fine_align_blocks_enabled({name: "divisor"})
     with pytest.raises(ValueError, match=name) as err:
-        parse({name: "half"})
-    assert "'half'" in str(err.value) and "divisor" in str(err.value)
+        parse({name: "third"})
+    message = str(err.value)
+    assert "'third'" in message and "divisor" in message and "unset or empty: half" in message
     settings.check_environment({name: "divisor"})
 
 

@@ -536,12 +536,15 @@ def test_cli_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert f"wrote {png}" in out
-    # 'align' mode: the engine keeps vLLM's layout where vLLM raises the block size.
+    # 'align' mode, Qwen3.5-0.8B: vLLM raises 16 to 544 tokens, which 272-token blocks halve.
+    assert "the engine runs per-group pools at 272-token blocks, half of it" in out
+    # Zamba2-2.7B: 48 tokens, three 16-token blocks: vLLM's layout is kept.
+    assert main(["plan", "zamba2-2.7b", "--memory", "24GiB", "--mamba-cache-mode", "align"]) == 0
+    out = capsys.readouterr().out
     assert "the engine runs the stock layout above" in out
-    # Qwen3.5-0.8B: vLLM raises 16 to 544 tokens, which 272-token blocks halve.
-    assert "HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs 272-token blocks" in out
+    assert "HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs 16-token blocks" in out
     assert main(["plan", "qwen3.5-0.8b", "--memory", "24GiB"]) == 0
-    assert "the engine runs the stock layout" not in capsys.readouterr().out
+    assert "the engine runs" not in capsys.readouterr().out
 
 
 def test_cli_config_folder_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

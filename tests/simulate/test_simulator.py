@@ -203,15 +203,16 @@ def test_decode_room_is_half_of_stocks_block(name: str) -> None:
     )
 
 
-def test_align_mode_default_is_vllms_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """'align' mode on a full-size model: the engine keeps vLLM's layout (the worker hook,
-    then the engine core's sizing) on the Rust pool, so the default layout makes stock's
-    decisions step for step; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 gives per-group pools at
-    16-token blocks."""
+def test_align_mode_vllms_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'align' mode on a full-size model with HYBRID_ALLOC_FINE_ALIGN_BLOCKS=0 (and by
+    default where no whole number of configured blocks halves vLLM's raised block): the
+    engine keeps vLLM's layout (the worker hook, then the engine core's sizing) on the Rust
+    pool, so it makes stock's decisions step for step; HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1
+    gives per-group pools at 16-token blocks."""
     from hybrid_alloc.traces import prefix_trace
 
     sim = _sim()
-    monkeypatch.delenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", raising=False)
+    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "0")
     config = sim.SimSettings(
         memory=384 << 20, mamba_cache_mode="align", max_num_seqs=16, max_model_len=8192
     )
@@ -233,9 +234,11 @@ def test_align_mode_default_is_vllms_layout(monkeypatch: pytest.MonkeyPatch) -> 
     assert fine.ok and fine.note is None and fine.attention_block_size == 16
 
 
-def test_divisor_blocks_in_align_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor on a full-size model in 'align' mode: per-group
-    pools at the largest block dividing vLLM's (Qwen3.5-0.8B: 544 = 2 x 272 tokens), each
+@pytest.mark.parametrize("setting", [None, "divisor"])
+def test_half_blocks_in_align_mode(monkeypatch: pytest.MonkeyPatch, setting: str | None) -> None:
+    """'align' mode on a full-size model whose raised block is an even number of 16-token
+    blocks (Qwen3.5-0.8B: 544 = 2 x 272 tokens): by default, and with
+    HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor, per-group pools at 272-token blocks, each
     running request left half of vLLM's block to decode into, as at 16-token blocks; the
     trace runs to the end with prefix hits."""
     from hybrid_alloc.planner import load_config
@@ -243,7 +246,10 @@ def test_divisor_blocks_in_align_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     from hybrid_alloc.vllm_specs import load_model_spec
 
     sim = _sim()
-    monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "divisor")
+    if setting is None:
+        monkeypatch.delenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", setting)
     config = sim.SimSettings(
         memory=384 << 20, mamba_cache_mode="align", max_num_seqs=16, max_model_len=8192
     )

@@ -87,18 +87,30 @@ def _align_without_padding(cls: Any, vllm_config: Any, backend_cls: Any) -> None
 
 def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> bool:
     """'align' mode: whether vLLM's shared layout is kept, as vLLM's own rule lays it out
-    (then it has been applied). So it is where that rule raises the attention block size
-    (a Mamba/GDN state page is larger than an attention block) and
-    ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` is off. At the configured block size a state would
-    move to a new page, many attention pages large, at every block boundary, which under
-    memory pressure preempts far more often than stock; at the raised size per-group pools
+    (then it has been applied), or the block size is set for per-group pools (then
+    False). vLLM's rule raises the attention block size where a Mamba/GDN state page is
+    larger than an attention block; at the configured block size a state would move to a
+    new page, many attention pages large, at every block boundary, which under memory
+    pressure preempts far more often than stock, and at the raised size per-group pools
     have stock's blocks, crossings and prefix hits, and nothing to gain over its pool.
-    ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor`` sets the block between the two
-    (:func:`hybrid_alloc.sizing.divisor_block`); ``1`` keeps the configured one."""
-    from hybrid_alloc.settings import FINE_ALIGN_DIVISOR, fine_align_blocks
+
+    ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` (:func:`hybrid_alloc.settings.fine_align_blocks`):
+    by default (``half``) per-group pools run at half of the raised block where that is a
+    whole number of configured blocks (every boundary of vLLM's is one of ours, a state
+    moves pages at most twice as often, and prefix hits land on twice as many
+    boundaries), else vLLM's layout is kept; in the matrix of benches/SERVING.md finer
+    splits (a third, a seventh) lost cells and halves none. ``divisor``: the largest
+    block that divides the raised one (:func:`hybrid_alloc.sizing.divisor_block`);
+    ``1``: the configured block; ``0``: vLLM's layout wherever it raises the block."""
+    from hybrid_alloc.settings import (
+        FINE_ALIGN_CONFIGURED,
+        FINE_ALIGN_DIVISOR,
+        FINE_ALIGN_HALF,
+        fine_align_blocks,
+    )
 
     fine = fine_align_blocks()
-    if fine is not None and fine != FINE_ALIGN_DIVISOR:
+    if fine == FINE_ALIGN_CONFIGURED:
         return False
     cache_config = vllm_config.cache_config
     configured = (
@@ -115,35 +127,38 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
         # vLLM's rule pads, and where it is not kept the padding is undone.
         return True
     hybrid = cache_config.block_size
-    if fine == FINE_ALIGN_DIVISOR and hybrid > configured[0]:
+    if hybrid > configured[0] and fine in (FINE_ALIGN_DIVISOR, FINE_ALIGN_HALF):
         block = divisor_block(hybrid, configured[0])
-        (
-            cache_config.block_size,
-            cache_config.mamba_block_size,
-            cache_config.mamba_page_size_padded,
-        ) = (block, block, None)
-        if block != configured[0]:
-            # Later calls start from this block, raise it back to vLLM's and choose it
-            # again (it is the only candidate that is a multiple of itself): said once.
-            logger.info(
-                "hybrid_alloc: Mamba 'align' mode: per-group pools at %d-token blocks, "
-                "1/%d of vLLM's hybrid block of %d tokens (HYBRID_ALLOC_FINE_ALIGN_BLOCKS="
-                "divisor)",
-                block,
-                hybrid // block,
-                hybrid,
-            )
-        return False
-    if cache_config.block_size > configured[0]:
+        if fine == FINE_ALIGN_DIVISOR or 2 * block == hybrid:
+            (
+                cache_config.block_size,
+                cache_config.mamba_block_size,
+                cache_config.mamba_page_size_padded,
+            ) = (block, block, None)
+            if block != configured[0]:
+                # Later calls start from this block, raise it back to vLLM's and choose
+                # it again (the only candidate that is a multiple of itself): said once.
+                logger.info(
+                    "hybrid_alloc: Mamba 'align' mode: per-group pools at %d-token blocks, "
+                    "1/%d of vLLM's hybrid block of %d tokens "
+                    "(HYBRID_ALLOC_FINE_ALIGN_BLOCKS=%s)",
+                    block,
+                    hybrid // block,
+                    hybrid,
+                    fine,
+                )
+            return False
+    if hybrid > configured[0]:
         logger.info(
             "hybrid_alloc: Mamba 'align' mode: vLLM's shared KV-cache layout kept (attention "
             "blocks raised from %d to %d tokens, Mamba/GDN pages padded to them): a state "
-            "page is larger than a %d-token attention block, and per-group pools at that "
-            "size would preempt more than stock under memory pressure "
-            "(HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 runs them)",
+            "page is larger than a %d-token attention block, no whole number of them halves "
+            "%d, and per-group pools at finer blocks would preempt more than stock under "
+            "memory pressure (HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 or =divisor runs them)",
             configured[0],
-            cache_config.block_size,
+            hybrid,
             configured[0],
+            hybrid,
         )
         return True
     (
