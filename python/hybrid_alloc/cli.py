@@ -304,7 +304,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             engine = (
                 "the engine runs the stock layout above (vLLM's shared pool, on the Rust "
-                "pool), as no whole number of configured blocks halves it; "
+                "pool), as it is an odd number of configured blocks; "
                 f"HYBRID_ALLOC_FINE_ALIGN_BLOCKS=divisor runs {divisor}-token blocks "
                 f"(plan them with --block-size {divisor})"
             )

