@@ -27,7 +27,7 @@ from hybrid_alloc.planner import (
     shipped_configs,
 )
 from hybrid_alloc.settings import selected_backend
-from hybrid_alloc.sizing import divisor_block
+from hybrid_alloc.sizing import divisor_block, halved_block
 from hybrid_alloc.step_time import TIME_MODELS
 from hybrid_alloc.vllm_specs import SPEC_SOURCES, describe_source, load_model_spec
 
@@ -296,10 +296,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             if stock_block % args.block_size == 0
             else args.block_size
         )
-        if 2 * divisor == stock_block:
+        half = halved_block(stock_block, args.block_size)
+        if half is not None:
             engine = (
-                f"the engine runs per-group pools at {divisor}-token blocks, half of it "
-                f"(HYBRID_ALLOC_FINE_ALIGN_BLOCKS unset; plan them with --block-size {divisor})"
+                f"the engine runs per-group pools at {half}-token blocks, half of it "
+                f"(HYBRID_ALLOC_FINE_ALIGN_BLOCKS unset; plan them with --block-size {half})"
             )
         else:
             engine = (

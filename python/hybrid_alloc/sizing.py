@@ -808,3 +808,11 @@ def divisor_block(hybrid: int, unit: int) -> int:
     # The largest proper divisor of `parts` is parts / (its smallest prime factor).
     smallest = next((p for p in range(2, math.isqrt(parts) + 1) if parts % p == 0), parts)
     return unit * (parts // smallest)
+
+
+def halved_block(hybrid: int, unit: int) -> int | None:
+    """Half of ``hybrid`` (vLLM's hybrid block size) where that half is a whole number of
+    ``unit`` blocks (the configured size), else None: the block 'align' mode runs per-group
+    pools at by default (``HYBRID_ALLOC_FINE_ALIGN_BLOCKS`` unset), the one rule the worker
+    hook applies and ``hybrid-alloc plan`` reports."""
+    return hybrid // 2 if unit > 0 and hybrid % (2 * unit) == 0 else None

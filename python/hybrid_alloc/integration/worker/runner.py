@@ -51,7 +51,7 @@ from vllm.platforms.interface import Platform
 
 from hybrid_alloc.integration import hooks
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
-from hybrid_alloc.sizing import divisor_block
+from hybrid_alloc.sizing import divisor_block, halved_block
 
 # vLLM's logger factory, as the plugin uses: the lines print with vLLM's own.
 logger = init_logger("vllm.hybrid_alloc")
@@ -130,8 +130,12 @@ def _keeps_shared_align_layout(cls: Any, vllm_config: Any, backend_cls: Any) -> 
         return True
     hybrid = cache_config.block_size
     if hybrid > configured[0] and fine in (FINE_ALIGN_DIVISOR, FINE_ALIGN_HALF):
-        block = divisor_block(hybrid, configured[0])
-        if fine == FINE_ALIGN_DIVISOR or 2 * block == hybrid:
+        block = (
+            divisor_block(hybrid, configured[0])
+            if fine == FINE_ALIGN_DIVISOR
+            else halved_block(hybrid, configured[0])
+        )
+        if block is not None:
             (
                 cache_config.block_size,
                 cache_config.mamba_block_size,
