@@ -147,7 +147,9 @@ def fine_align_blocks(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     raw = env.get(FINE_ALIGN_BLOCKS_ENV_VAR, "")
     value = raw.strip().lower()
-    if value in ("", FINE_ALIGN_HALF):
+    if value == "":
+        return FINE_ALIGN_BLOCKS_DEFAULT
+    if value == FINE_ALIGN_HALF:
         return FINE_ALIGN_HALF
     if value == FINE_ALIGN_DIVISOR:
         return FINE_ALIGN_DIVISOR

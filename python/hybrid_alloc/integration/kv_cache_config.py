@@ -159,7 +159,9 @@ class PerGroupKVCacheConfig(KVCacheConfig):
     def tag_block_ids(self, group_id: int, block_ids: Iterable[int]) -> list[int]:
         """Group ``group_id``'s pool-scoped IDs as tagged IDs (unique across groups)."""
         offset = self.zero_id_offsets()[group_id]
-        return [offset + b for b in block_ids]
+        # `map` with the bound `int.__add__` runs in C: a step's new blocks are one list
+        # per group, up to thousands of IDs in a long prefill.
+        return list(block_ids) if offset == 0 else list(map(offset.__add__, block_ids))
 
     def split_tagged_block_ids(self, tagged: Iterable[int]) -> dict[int, list[int]]:
         """Tagged IDs back as ``{group: pool-scoped IDs}`` (groups in order of first
