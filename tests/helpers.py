@@ -711,7 +711,12 @@ def nixl_timing_failure(pair: dict[str, dict[str, Any]]) -> str | None:
       prefill engine's side-channel listener, and every request of that peer failed;
     - a read finished after the prefill side's 30 s lease on its blocks ran out (the
       decode engine stalled about 30 s after its handshake; the prefill side then logs
-      that blocks of a request it no longer knows were read).
+      that blocks of a request it no longer knows were read);
+    - push mode: a wave's writes never reached the decode side (its handshake passed,
+      the prefill side's leases ran out with nothing written, and the other side waited
+      for the wave in vain): once in four 'align' pairs on per-group pools; in 'none'
+      mode both pairs tried, stock and per-group, hung in their first wave, so push
+      mode is tested in 'align' only.
 
     A compatibility-hash refusal is an answer, not a timing failure."""
     decode, prefill = pair["decode"]["log_text"], pair["prefill"]["log_text"]
@@ -719,6 +724,12 @@ def nixl_timing_failure(pair: dict[str, dict[str, Any]]) -> str | None:
         return "the NIXL handshake got no answer in time"
     if "were retrieved by a decode worker. They may have expired" in prefill:
         return "a NIXL read finished after the prefill side's lease ran out"
+    if (
+        "NixlPushConnector" in prefill
+        and "did not appear in" in prefill + decode
+        and "compatibility hash mismatch" not in decode
+    ):
+        return "a push-mode wave never finished (no write reached the decode side)"
     return None
 
 

@@ -113,6 +113,50 @@ def test_pd_over_nixl_on_elastic_pools(model: Path, tmp_path: Path, mode: str) -
     assert all(len(p["remote_block_ids"]) == 2 for p in params)  # one list per group
 
 
+PUSH = ["--engine-arg", "kv_transfer_config=" + json.dumps({"kv_connector": "NixlPushConnector"})]
+"""vLLM's NIXL connector in push mode: the prefill side writes into blocks the decode side
+registers with it (engine_run adds the role and ``kv_buffer_device``)."""
+
+
+@pytest.mark.e2e
+@slow_e2e("P/D over NIXL in push mode")
+def test_pd_push_mode_on_elastic_pools(model: Path, tmp_path: Path) -> None:
+    """vLLM's push mode (``NixlPushConnector``) with elastic per-group pools on both sides
+    ('align'): the decode side registers its pool-scoped blocks, the prefill side writes
+    into them, and the decode side's tokens are those of the stock deployment in pull
+    mode (the same bytes arrive either way); the second wave's shared prefixes hit the
+    decode side's own cache and only the tail is written; both sides get every block
+    back."""
+    pd = run_pd(model, tmp_path / "pd", [*WORKLOAD, *MODES["align"], *PUSH])
+    stock = stock_pd(model, tmp_path, "align")
+    prefill, decode = pd["prefill"], pd["decode"]
+    prompts = decode["prompts"]
+    assert len(prompts) > 2 * 4
+    assert decode["outputs"] == stock["decode"]["outputs"]
+    assert prefill["outputs"] == stock["prefill"]["outputs"]
+    for side, run in pd.items():
+        check_served_per_group(run)
+        assert "Creating v1 connector with name: NixlPushConnector" in run["log_text"], side
+        assert run["metrics"]["finished_requests"] == len(prompts)
+        assert run["reset_prefix_cache_ok"] is True
+        for event in ("before_reset", "after_reset"):
+            assert_every_block_back(run["probe"][event], event)
+        stock_tokens = stock[side]["capacity"]["kv_cache_size_tokens"]
+        assert run["capacity"]["kv_cache_size_tokens"] > stock_tokens
+    # Push: the prefill side wrote, the decode side read nothing itself.
+    assert prefill["metrics"]["nixl_bytes"] > 0
+    assert decode["metrics"]["nixl_transfers"] == 0
+    metrics = decode["metrics"]
+    assert (
+        metrics["external_prefix_cache_hits"]
+        == (stock["decode"]["metrics"]["external_prefix_cache_hits"])
+    )
+    assert metrics["external_prefix_cache_hits"] == (
+        metrics["external_prefix_cache_queries"] - len(prompts)
+    )
+    assert metrics["prefix_cache_hits"] == stock["decode"]["metrics"]["prefix_cache_hits"] > 0
+
+
 def _nixl_and_offloading(role: str) -> list[str]:
     """vLLM's MultiConnector of NixlConnector (``role``) and its native CPU offloading."""
     transfer = {
@@ -228,14 +272,20 @@ def test_failed_transfer_recomputes(model: Path, tmp_path: Path, connector: str)
 
 @pytest.mark.e2e
 @slow_e2e("a stock side and a per-group side refusing each other")
-def test_stock_and_per_group_sides_refuse_each_other(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+def test_stock_and_per_group_sides_refuse_each_other(
+    model: Path, tmp_path: Path, transfer: str
+) -> None:
     """A stock prefill engine and a per-group decode engine: the handshake fails with both
     layouts named, and every request ends without a token; none is served from bytes laid
-    out for the other pool."""
+    out for the other pool. Pull mode ('none': the decode side's handshake before its
+    read) and push mode ('align': the decode side's handshake before it registers its
+    blocks with the prefill side)."""
+    extra = [*MODES["none"]] if transfer == "pull" else [*MODES["align"], *PUSH]
     pd = run_pd(
         model,
         tmp_path / "pd",
-        [*WORKLOAD, *MODES["none"]],
+        [*WORKLOAD, *extra],
         prefill=("vllm", False),
         allow_errors=True,
     )

@@ -206,7 +206,8 @@ def test_peer_with_another_layout_is_refused() -> None:
 
 def test_pd_timing_failures_are_told_from_refusals() -> None:
     """The P/D harness runs a pair again only for NIXL timing failures (a handshake with
-    no answer, a read after the lease), never for a refused handshake or a clean run."""
+    no answer, a read after the lease, a push-mode wave never written), never for a
+    refused handshake or a clean run."""
     from tests.helpers import nixl_timing_failure
 
     def pair(prefill: str, decode: str) -> dict[str, dict[str, str]]:
@@ -228,3 +229,10 @@ def test_pd_timing_failures_are_told_from_refusals() -> None:
     assert "lease" in (nixl_timing_failure(pair(late, "")) or "")
     assert nixl_timing_failure(pair("", refused)) is None
     assert nixl_timing_failure(pair("INFO all fine", "INFO all fine")) is None
+    # Push mode: a wave whose writes never reached the decode side; not a refusal.
+    push = "INFO Creating v1 connector with name: NixlPushConnector and engine_id: x\n"
+    stalled = "TimeoutError: engine_run: exchange/wave1.done did not appear in 300 s\n"
+    assert "push-mode wave" in (nixl_timing_failure(pair(push + stalled, "")) or "")
+    assert nixl_timing_failure(pair(push + stalled, refused)) is None
+    assert nixl_timing_failure(pair(push, "INFO all fine")) is None
+    assert nixl_timing_failure(pair(stalled, "")) is None  # pull mode: not this one

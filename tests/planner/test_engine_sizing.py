@@ -180,12 +180,18 @@ def test_unsupported_engines_fall_back() -> None:
     assert "different specs" in (sizing.unsupported_reason(cfg, [specs, other]) or "")
     cfg.kv_transfer_config = kv_connector()
     assert "'LMCacheConnectorV1'" in (sizing.config_unsupported_reason(cfg) or "")
-    # vLLM's NixlConnector (pull mode): served per group (hybrid_alloc's NIXL hooks), but
-    # not its push mode, pipeline stages or host staging buffers on a GPU.
+    # vLLM's NixlConnector, pull or push mode: served per group (hybrid_alloc's NIXL hooks),
+    # but not pipeline stages, tensor parallelism or host staging buffers on a GPU.
     from hybrid_alloc.integration import versions
 
-    cfg.kv_transfer_config = kv_connector("NixlPushConnector")
-    assert "'NixlPushConnector'" in (sizing.config_unsupported_reason(cfg) or "")
+    for name in ("NixlPushConnector", "NixlPullConnector"):
+        cfg.kv_transfer_config = kv_connector(name)
+        with patch.dict("os.environ", {"HYBRID_ALLOC_ELASTIC_POOLS": "1"}):
+            reason = sizing.config_unsupported_reason(cfg)
+        if versions.release().nixl_per_group:
+            assert reason is None, name
+        else:
+            assert f"{name} on vLLM 0.33" in (reason or "")
     cfg.kv_transfer_config = kv_connector("NixlConnector")
     cfg.kv_transfer_config.kv_buffer_device = "cpu"
     elastic = patch.dict("os.environ", {"HYBRID_ALLOC_ELASTIC_POOLS": "1"})

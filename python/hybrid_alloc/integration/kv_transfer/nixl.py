@@ -25,10 +25,13 @@ So on a per-group config the worker's hooks here describe that layout to NIXL:
   in vLLM's message rather than reading the wrong bytes), and a peer with another tensor
   parallel size, block size or region list gets an error naming both layouts.
 
+Push mode (``NixlPushConnector``: the decode side registers its blocks with the prefill
+side, which writes into them) runs the same base worker, so the same regions, descriptor
+IDs and handshake serve it; both directions of its handshake check the compatibility hash.
+
 Any other config goes to vLLM's code unchanged. The engine core keeps per-group pools off
-where this does not reach (:func:`.engine_sizing.kv_connector_unsupported_reason`): vLLM's
-push mode, host staging buffers (``kv_buffer_device="cpu"`` on a GPU), pipeline
-parallelism.
+where this does not reach (:func:`.engine_sizing.kv_connector_unsupported_reason`): host
+staging buffers (``kv_buffer_device="cpu"`` on a GPU), pipeline and tensor parallelism.
 """
 
 from __future__ import annotations

@@ -116,8 +116,15 @@ group's layers' tensors (and a state layer's whole tensor), so pool-scoped IDs s
 
 
 NIXL_CONNECTOR = "NixlConnector"
-"""vLLM's prefill/decode connector (pull mode), whose worker side
+"""vLLM's prefill/decode connector (pull mode: the decode side reads), whose worker side
 :mod:`..kv_transfer.nixl` adapts."""
+
+NIXL_PUSH_CONNECTOR = "NixlPushConnector"
+"""The same connector in push mode (the prefill side writes into blocks the decode side
+registers with it); its worker shares the pull worker's layout code that
+:mod:`..kv_transfer.nixl` adapts."""
+
+NIXL_CONNECTORS = (NIXL_CONNECTOR, "NixlPullConnector", NIXL_PUSH_CONNECTOR)
 
 
 MULTI_CONNECTOR = "MultiConnector"
@@ -128,9 +135,9 @@ its class's, so it serves per-group pools where every child does."""
 
 def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = None) -> str | None:
     """Why per-group pools cannot serve the engine's KV connector (None: no connector,
-    vLLM's decode benchmark connector, its NixlConnector (:mod:`..kv_transfer.nixl`), its
-    native offloading, ``--kv-offloading-size``, which :mod:`..kv_transfer.offload`
-    adapts, or a MultiConnector of those)."""
+    vLLM's decode benchmark connector, its NixlConnector in pull or push mode
+    (:mod:`..kv_transfer.nixl`), its native offloading, ``--kv-offloading-size``, which
+    :mod:`..kv_transfer.offload` adapts, or a MultiConnector of those)."""
     if kv_transfer_config is None:
         return None
     name = kv_transfer_config.kv_connector
@@ -138,13 +145,13 @@ def kv_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: Any = 
         return None
     if name == MULTI_CONNECTOR:
         return _multi_connector_unsupported_reason(kv_transfer_config, vllm_config)
-    if name == NIXL_CONNECTOR:
+    if name in NIXL_CONNECTORS:
         return _nixl_unsupported_reason(kv_transfer_config, vllm_config)
     if name != "OffloadingConnector":
         return (
             f"KV connector {name!r} addresses blocks by IDs unique across groups (per-group "
-            "pools serve vLLM's NixlConnector, DecodeBenchConnector, native "
-            "OffloadingConnector, --kv-offloading-size, and a MultiConnector of those)"
+            "pools serve vLLM's NixlConnector and NixlPushConnector, DecodeBenchConnector, "
+            "native OffloadingConnector, --kv-offloading-size, and a MultiConnector of those)"
         )
     extra = kv_transfer_config.kv_connector_extra_config or {}
     spec_name = extra.get("spec_name", "CPUOffloadingSpec")
@@ -190,9 +197,9 @@ def _multi_connector_unsupported_reason(kv_transfer_config: Any, vllm_config: An
 
 
 def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str | None:
-    """What of NixlConnector per-group pools do not serve: the static split, pipeline stages
-    (vLLM matches their regions by layer position in the shared layout), tensor
-    parallelism (not run) and host staging buffers
+    """What of NixlConnector (pull or push mode) per-group pools do not serve: the static
+    split, pipeline stages (vLLM matches their regions by layer position in the shared
+    layout), tensor parallelism (not run) and host staging buffers
     (``kv_buffer_device="cpu"`` on a GPU: vLLM's staging copies view the shared layout).
     (A KV-cache layout that spreads a block's bytes, heads outside blocks, is refused when
     the worker registers its cache, :func:`.nixl.check_region_views`: the layout is not
@@ -202,7 +209,8 @@ def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str |
     release = versions.release()
     if not release.nixl_per_group:
         return (
-            f"NixlConnector on vLLM {release.version} (per-group NIXL regions are built for 0.32)"
+            f"{kv_transfer_config.kv_connector} on vLLM {release.version} (per-group NIXL "
+            "regions are built for 0.32)"
         )
     from hybrid_alloc.settings import ELASTIC_ENV_VAR, elastic_pools_enabled
 
