@@ -688,10 +688,23 @@ def run_pd(
         for role, (backend, per_group) in (("prefill", prefill), ("decode", decode)):
             pd = ["--pd-role", role, "--pd-dir", str(exchange), "--nixl-port", str(free_port())]
             runs[role] = (backend, per_group, [*extra, *pd, *own.get(role, [])])
-        pair = run_engines(model, where, runs, allow_errors=True)
-        reason = nixl_timing_failure(pair)
-        if reason is None or attempt == retries:
-            break
+        try:
+            pair = run_engines(model, where, runs, allow_errors=True)
+        except AssertionError:
+            # An engine that gave up waiting for the other side's wave exits non-zero;
+            # its log (both are complete: run_engines waits for both) says why.
+            logs = {role: where / f"{role}.log" for role in runs}
+            stalled = {
+                role: {"log_text": log.read_text(errors="replace") if log.exists() else ""}
+                for role, log in logs.items()
+            }
+            reason = nixl_timing_failure(stalled)
+            if reason is None or attempt == retries:
+                raise
+        else:
+            reason = nixl_timing_failure(pair)
+            if reason is None or attempt == retries:
+                break
         print(f"run_pd: {where}: {reason}; running the pair again", file=sys.stderr)
     for role, run in pair.items():
         run["pd_attempts"] = attempt + 1

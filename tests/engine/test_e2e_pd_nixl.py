@@ -68,6 +68,33 @@ def check_served_per_group(run: dict[str, Any]) -> None:
     )
 
 
+def check_pd_matches_stock(
+    pd: dict[str, dict[str, Any]], stock: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Both sides served per group, the stock deployment's tokens on both, every request
+    finished and every block back on both, more tokens of KV than stock on each side, and
+    every queried prompt loaded but its last token (which the decode side computes), as
+    many tokens as stock loaded. Returns the decode side's metrics."""
+    prefill, decode = pd["prefill"], pd["decode"]
+    prompts = decode["prompts"]
+    assert len(prompts) > 2 * 4  # more requests than max_num_seqs, twice over
+    assert decode["outputs"] == stock["decode"]["outputs"]
+    assert prefill["outputs"] == stock["prefill"]["outputs"]
+    for side, run in pd.items():
+        check_served_per_group(run)
+        assert run["metrics"]["finished_requests"] == len(prompts)
+        assert run["reset_prefix_cache_ok"] is True
+        for event in ("before_reset", "after_reset"):
+            assert_every_block_back(run["probe"][event], event)
+        stock_tokens = stock[side]["capacity"]["kv_cache_size_tokens"]
+        assert run["capacity"]["kv_cache_size_tokens"] > stock_tokens
+    metrics: dict[str, Any] = decode["metrics"]
+    hits = metrics["external_prefix_cache_hits"]
+    assert hits == stock["decode"]["metrics"]["external_prefix_cache_hits"] > 0
+    assert hits == metrics["external_prefix_cache_queries"] - len(prompts)
+    return metrics
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "mode",
@@ -80,31 +107,11 @@ def test_pd_over_nixl_on_elastic_pools(model: Path, tmp_path: Path, mode: str) -
     same memory."""
     pd = run_pd(model, tmp_path / "pd", [*WORKLOAD, *MODES[mode]])
     stock = stock_pd(model, tmp_path, mode)
+    metrics = check_pd_matches_stock(pd, stock)
     prefill, decode = pd["prefill"], pd["decode"]
     prompts = decode["prompts"]
-    assert len(prompts) > 2 * 4  # more requests than max_num_seqs, twice over
-    assert decode["outputs"] == stock["decode"]["outputs"]
-    assert prefill["outputs"] == stock["prefill"]["outputs"]
     assert len({tuple(o) for o in decode["outputs"]}) > len(prompts) // 2
     assert all(len(o) == 1 for o in prefill["outputs"])
-    for side, run in pd.items():
-        check_served_per_group(run)
-        assert run["metrics"]["finished_requests"] == len(prompts)
-        assert run["reset_prefix_cache_ok"] is True
-        for event in ("before_reset", "after_reset"):
-            assert_every_block_back(run["probe"][event], event)
-        stock_tokens = stock[side]["capacity"]["kv_cache_size_tokens"]
-        assert run["capacity"]["kv_cache_size_tokens"] > stock_tokens
-    metrics = decode["metrics"]
-    assert (
-        metrics["external_prefix_cache_hits"]
-        == (stock["decode"]["metrics"]["external_prefix_cache_hits"])
-    )
-    # Every queried prompt was loaded but its last token, which the decode side computes.
-    assert metrics["external_prefix_cache_hits"] > 0
-    assert metrics["external_prefix_cache_hits"] == (
-        metrics["external_prefix_cache_queries"] - len(prompts)
-    )
     if mode == "align":
         # The second wave's shared prefixes were already on the decode side.
         assert metrics["prefix_cache_hits"] > 0
@@ -127,33 +134,16 @@ def test_pd_push_mode_on_elastic_pools(model: Path, tmp_path: Path) -> None:
     mode (the same bytes arrive either way); the second wave's shared prefixes hit the
     decode side's own cache and only the tail is written; both sides get every block
     back."""
-    pd = run_pd(model, tmp_path / "pd", [*WORKLOAD, *MODES["align"], *PUSH])
+    # Push pairs stall now and then, on vLLM's pool too (`nixl_timing_failure`): up to
+    # two more runs.
+    pd = run_pd(model, tmp_path / "pd", [*WORKLOAD, *MODES["align"], *PUSH], retries=2)
     stock = stock_pd(model, tmp_path, "align")
-    prefill, decode = pd["prefill"], pd["decode"]
-    prompts = decode["prompts"]
-    assert len(prompts) > 2 * 4
-    assert decode["outputs"] == stock["decode"]["outputs"]
-    assert prefill["outputs"] == stock["prefill"]["outputs"]
+    metrics = check_pd_matches_stock(pd, stock)
     for side, run in pd.items():
-        check_served_per_group(run)
         assert "Creating v1 connector with name: NixlPushConnector" in run["log_text"], side
-        assert run["metrics"]["finished_requests"] == len(prompts)
-        assert run["reset_prefix_cache_ok"] is True
-        for event in ("before_reset", "after_reset"):
-            assert_every_block_back(run["probe"][event], event)
-        stock_tokens = stock[side]["capacity"]["kv_cache_size_tokens"]
-        assert run["capacity"]["kv_cache_size_tokens"] > stock_tokens
     # Push: the prefill side wrote, the decode side read nothing itself.
-    assert prefill["metrics"]["nixl_bytes"] > 0
-    assert decode["metrics"]["nixl_transfers"] == 0
-    metrics = decode["metrics"]
-    assert (
-        metrics["external_prefix_cache_hits"]
-        == (stock["decode"]["metrics"]["external_prefix_cache_hits"])
-    )
-    assert metrics["external_prefix_cache_hits"] == (
-        metrics["external_prefix_cache_queries"] - len(prompts)
-    )
+    assert pd["prefill"]["metrics"]["nixl_bytes"] > 0
+    assert metrics["nixl_transfers"] == 0
     assert metrics["prefix_cache_hits"] == stock["decode"]["metrics"]["prefix_cache_hits"] > 0
 
 
