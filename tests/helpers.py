@@ -727,9 +727,9 @@ def nixl_timing_failure(pair: dict[str, dict[str, Any]]) -> str | None:
       that blocks of a request it no longer knows were read);
     - push mode: a wave's writes never reached the decode side (its handshake passed,
       the prefill side's leases ran out with nothing written, and the other side waited
-      for the wave in vain): once in four 'align' pairs on per-group pools; in 'none'
-      mode both pairs tried, stock and per-group, hung in their first wave, so push
-      mode is tested in 'align' only.
+      for the wave in vain): 3 of 6 'align' pairs on per-group pools; in 'none' mode
+      both pairs tried, stock and per-group, hung in their first wave, so push mode is
+      tested in 'align' only, and only with ``HYBRID_ALLOC_PUSH_E2E=1``.
 
     A compatibility-hash refusal is an answer, not a timing failure."""
     decode, prefill = pair["decode"]["log_text"], pair["prefill"]["log_text"]
