@@ -48,6 +48,8 @@ trap 'rm -rf "$logs"' EXIT
 ) > "$logs/lane1" 2>&1 &
 lane1=$!
 (
+    echo "== mypy (the package's types, against vLLM 0.32.0)"
+    "$venv/bin/mypy"
     echo "== pytest, vLLM 0.33.0 (scheduler side on CPU)"
     "$venv033/bin/python" -m pytest -q -p no:cacheprovider -m "not e2e" tests/pool \
         tests/pool_set tests/manager tests/planner tests/offload \

@@ -2,11 +2,18 @@
 rust/src/binding/: block.rs, elastic.rs, pool.rs, running.rs, views.rs)."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, final, overload
+from typing import Any, Protocol, final, overload
 
 __version__: str
 
 @final
+class BlockHashes(Protocol):
+    """What the caching calls read a request's block hashes from: a list of them, or
+    vLLM's view of them at a larger block size (``BlockHashListWithBlockSize``)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> bytes: ...
+
 class KVCacheBlock:
     """A block handle, call-compatible with vLLM's ``KVCacheBlock``; one object per block."""
 
@@ -116,7 +123,7 @@ class NativeBlockPool:
     def _cache_full_blocks(
         self,
         blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[bytes],
+        block_hashes: BlockHashes,
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
@@ -169,10 +176,10 @@ class NativeElasticPools:
     ) -> None: ...
     def attach(self, group: int, pool: NativeBlockPool) -> None: ...
     def plan(
-        self, hits: list[Iterable[KVCacheBlock]], news: list[tuple[int, int]]
+        self, hits: Sequence[Iterable[KVCacheBlock]], news: Sequence[tuple[int, int]]
     ) -> tuple[int, int] | None: ...
     def reserve(
-        self, hits: list[Iterable[KVCacheBlock]], news: list[tuple[int, int]]
+        self, hits: Sequence[Iterable[KVCacheBlock]], news: Sequence[tuple[int, int]]
     ) -> tuple[int, int] | None: ...
     def num_free_for(self, group: int) -> int: ...
     def grow(

@@ -415,7 +415,7 @@ def size_stages(
         raise ValueError("per-group KV-cache pools: every stage lists every group")
     merged: list[GroupNeeds] = []
     for i in range(width):
-        present = [stage[i] for stage in stages if stage[i] is not None]
+        present = [g for stage in stages if (g := stage[i]) is not None]
         if not present:
             raise ValueError(f"per-group KV-cache pools: group {i} has no layer on any stage")
         first = present[0]

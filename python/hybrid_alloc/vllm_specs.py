@@ -152,7 +152,7 @@ def _gpu_cache_dtypes() -> Iterator[None]:
             cpu._is_avx512_bf16_supported = no_bf16  # type: ignore[union-attr]
 
     cpu._is_avx512_bf16_supported = no_bf16  # type: ignore[union-attr]
-    platform.import_kernels = classmethod(import_kernels_as_probed)
+    platform.import_kernels = classmethod(import_kernels_as_probed)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -160,7 +160,7 @@ def _gpu_cache_dtypes() -> Iterator[None]:
         if own_import is None:
             del platform.import_kernels
         else:
-            platform.import_kernels = own_import
+            platform.import_kernels = own_import  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -291,7 +291,10 @@ def layer_kv_specs(vllm_config: Any) -> dict[str, Any]:
                 f"vLLM's {arch} could not be built for this config: "
                 + " ".join(str(exc).split())[:300]
             ) from exc
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+        layers = get_layers_from_vllm_config(
+            vllm_config,
+            AttentionLayerBase,  # type: ignore[type-abstract]
+        )
         specs = {name: layer.get_kv_cache_spec(vllm_config) for name, layer in layers.items()}
     return {name: spec for name, spec in specs.items() if spec is not None}
 
@@ -351,7 +354,7 @@ def _layer_from_spec(name: str, spec: Any, arch: str, grows: bool | None = None)
                 f"hybrid_alloc sizes {', '.join(sorted(_MAMBA_KINDS))} states"
             )
         conv = spec.shapes[0]
-        layer = MambaLayerSpec(
+        state_layer = MambaLayerSpec(
             kind=kind,  # type: ignore[arg-type]
             conv_dim=max(conv),
             conv_kernel=min(conv) + 1,
@@ -361,12 +364,12 @@ def _layer_from_spec(name: str, spec: Any, arch: str, grows: bool | None = None)
             conv_grows_with_spec=kind != "mamba1" if grows is None else grows,
             prefill_checkpoint_blocks=int(spec.num_prefill_checkpoint_blocks or 0),
         )
-        if layer.state_bytes() != spec.state_content_size_bytes:
+        if state_layer.state_bytes() != spec.state_content_size_bytes:
             raise ValueError(
                 f"{arch}: layer {name}'s state is {spec.state_content_size_bytes} bytes in "
-                f"vLLM, {layer.state_bytes()} as read"
+                f"vLLM, {state_layer.state_bytes()} as read"
             )
-        return layer
+        return state_layer
     if isinstance(spec, MLAAttentionSpec) or not isinstance(
         spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
     ):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_events import (
     MEDIUM_GPU,
@@ -22,6 +22,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.multimodal.utils import get_mm_features_in_window
 from vllm.v1.core.kv_cache_utils import (
+    BlockHashWithGroupId,
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
@@ -35,7 +36,10 @@ from hybrid_alloc.integration import versions
 
 _LOOKAHEAD = versions.release().hash_lookahead
 if _LOOKAHEAD:
-    from vllm.v1.core.kv_cache_utils import generate_lookahead_block_hash_extra_keys
+    # vLLM 0.33 only (the type check runs against 0.32).
+    from vllm.v1.core.kv_cache_utils import (  # type: ignore[attr-defined]
+        generate_lookahead_block_hash_extra_keys,
+    )
 
 logger = logging.getLogger("hybrid_alloc")
 
@@ -170,8 +174,11 @@ class BlockPool(NativeBlockPool):
         # vLLM's (whose positional order differs between releases) are read in __init__.
         parsed = _constructor_args(args, kwargs)
         num_gpu_blocks, enable_caching, hash_block_size, events, _, _, _, label = parsed
-        pool: BlockPool = super().__new__(  # type: ignore[call-arg]
-            cls, num_gpu_blocks, enable_caching, hash_block_size, events, label=label
+        pool = cast(
+            BlockPool,
+            super().__new__(  # type: ignore[call-arg]
+                cls, num_gpu_blocks, enable_caching, hash_block_size, events, label=label
+            ),
         )
         # Parsed once: __init__ gets the same arguments (a pool is built per KV-cache group).
         pool._parsed_args = parsed
@@ -221,7 +228,9 @@ class BlockPool(NativeBlockPool):
     # ----------------------------------------------------------------- events
     def _append_removed_events(self, keys: list[bytes]) -> None:
         queue = self.kv_event_queue
-        for key in keys:
+        for raw in keys:
+            # The pool's keys are vLLM's (hash, group) keys, as bytes.
+            key = cast(BlockHashWithGroupId, raw)
             queue.append(
                 BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
@@ -420,7 +429,9 @@ class BlockPool(NativeBlockPool):
         lora = request.lora_request
         self.kv_event_queue.append(
             BlockStored(
-                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                block_hashes=[
+                    maybe_convert_block_hash(get_block_hash(cast(BlockHashWithGroupId, key)))
+                ],
                 parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
                 token_ids=request.all_token_ids[start:num_tokens],
                 block_size=num_tokens - start,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core import kv_cache_manager as _kv_cache_manager
 from vllm.v1.core.kv_cache_coordinator import (
@@ -210,6 +210,9 @@ class PerGroupPoolsMixin(RunningTableMixin):
     pool_set: PoolSet
     single_type_managers: tuple[Any, ...]
     retention_interval: int | None
+    block_pool: Any
+    """Where vLLM keeps its coordinator's one pool: here the `PoolSet`, which answers
+    the calls vLLM makes on "the" pool (typed as vLLM's ``BlockPool`` there)."""
 
     def _adopt_pool_set(
         self, pool_set: PoolSet, max_model_len: int, decode_room_tokens: int = 0
@@ -888,11 +891,17 @@ def allocate_slots_honouring_loads(
         )
         if needs is not None:
             if not needs:
-                if coordinator._per_group_pools and coordinator._reservation_queries:
-                    # As after any `allocate_slots` (below): the queries were for this step.
-                    coordinator._reservation_queries.clear()
+                if coordinator._per_group_pools:
+                    if TYPE_CHECKING:  # the flag is the test, at no isinstance cost
+                        assert isinstance(coordinator, PerGroupPoolsMixin)
+                    if coordinator._reservation_queries:
+                        # As after any `allocate_slots` (below): the queries were for
+                        # this step.
+                        coordinator._reservation_queries.clear()
                 return coordinator.quiet_step_blocks
             if coordinator._per_group_pools:
+                if TYPE_CHECKING:
+                    assert isinstance(coordinator, PerGroupPoolsMixin)
                 # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(
                     self, request, num_new_tokens, num_lookahead_tokens, needs
@@ -930,6 +939,8 @@ def allocate_slots_honouring_loads(
             return result
         finally:
             coordinator._sync_running(request, 0, caches if result is not None else 0)
+    if TYPE_CHECKING:
+        assert isinstance(coordinator, PerGroupPoolsMixin)
     if coordinator.pool_set.elastic is None:
         if coordinator._running is None:
             return _stock_allocate_slots(self, request, *positional, **kwargs)

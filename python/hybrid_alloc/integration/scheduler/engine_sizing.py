@@ -638,7 +638,7 @@ def size_elastic_groups(
     """
     stages = _stage_needs(vllm_config, groups, kv_cache_specs)
     needs = [
-        max((row[g] for row in stages if row[g] is not None), key=lambda n: n.num_layers)
+        max((n for row in stages if (n := row[g]) is not None), key=lambda n: n.num_layers)
         for g in range(len(groups))
     ]
     max_model_len = vllm_config.model_config.max_model_len

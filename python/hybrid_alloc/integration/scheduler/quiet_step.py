@@ -77,9 +77,11 @@ class QuietStepBlocks(KVCacheBlocks):
     def get_block_ids(  # type: ignore[override]
         self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
     ) -> tuple[list[int], ...] | None:
-        if allow_none and group_ids is None:
+        if not allow_none:
+            return super().get_block_ids(False, group_ids=group_ids)
+        if group_ids is None:
             return None
-        return super().get_block_ids(allow_none, group_ids=group_ids)
+        return super().get_block_ids(True, group_ids=group_ids)
 
 
 def quiet_step_blocks(num_groups: int) -> QuietStepBlocks:

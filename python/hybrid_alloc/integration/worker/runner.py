@@ -315,7 +315,7 @@ def _cpu_zero_block_ids(stock: Callable[..., None]) -> Callable[..., None]:
             if not isinstance(group.kv_cache_spec, FullAttentionSpec):
                 continue
             for name in group.layer_names:
-                kv = getattr(context.get(name), "kv_cache", None)
+                kv: Any = getattr(context.get(name), "kv_cache", None)
                 # Layers that share one tensor (vLLM's KV sharing) are zeroed once.
                 if not hasattr(kv, "data_ptr") or (kv.data_ptr(), gid) in done:
                     continue
