@@ -6,7 +6,6 @@ from typing import Any, Protocol, final, overload
 
 __version__: str
 
-@final
 class BlockHashes(Protocol):
     """What the caching calls read a request's block hashes from: a list of them, or
     vLLM's view of them at a larger block size (``BlockHashListWithBlockSize``)."""
@@ -14,6 +13,7 @@ class BlockHashes(Protocol):
     def __len__(self) -> int: ...
     def __getitem__(self, index: int, /) -> bytes: ...
 
+@final
 class KVCacheBlock:
     """A block handle, call-compatible with vLLM's ``KVCacheBlock``; one object per block."""
 

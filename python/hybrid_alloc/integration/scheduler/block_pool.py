@@ -228,9 +228,8 @@ class BlockPool(NativeBlockPool):
     # ----------------------------------------------------------------- events
     def _append_removed_events(self, keys: list[bytes]) -> None:
         queue = self.kv_event_queue
-        for raw in keys:
-            # The pool's keys are vLLM's (hash, group) keys, as bytes.
-            key = cast(BlockHashWithGroupId, raw)
+        # The pool's keys are vLLM's (hash, group) keys, as bytes: typed once, not per key.
+        for key in cast(list[BlockHashWithGroupId], keys):
             queue.append(
                 BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
