@@ -407,6 +407,16 @@ impl GroupPool {
             .count()
     }
 
+    /// The most tokens any of the listed blocks' hashes cover (0 if none is cached):
+    /// vLLM's `KVCacheManager.estimate_cached_tokens` takes this maximum over a group's
+    /// blocks, reading `block_hash_num_tokens` block by block, once per finished prefill.
+    pub fn max_block_hash_num_tokens(&self, ids: &[BlockId]) -> u32 {
+        ids.iter()
+            .filter_map(|&id| self.block_hash_num_tokens(id))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Set a held block's reference count directly (vLLM's managers write
     /// `block.ref_cnt += 1` on blocks they hold). Only held, non-null blocks may be set,
     /// and only to a count of at least one: anything else would put a block in the free
@@ -702,6 +712,19 @@ mod tests {
         assert_eq!(p.count_evictable(&[0, a[0], a[1], 3, 4, 4]), 3);
         p.free(&a[..1]).unwrap();
         assert_eq!(p.count_evictable(&[0, a[0], a[1]]), 1);
+    }
+
+    #[test]
+    fn max_block_hash_num_tokens_is_the_largest_cached_span() {
+        let mut p = GroupPool::new(6, true, 4).unwrap();
+        let a = p.allocate(3, noop).unwrap();
+        assert_eq!(p.max_block_hash_num_tokens(&[0, a[0], a[1], a[2]]), 0);
+        assert_eq!(p.max_block_hash_num_tokens(&[]), 0);
+        cache_one(&mut p, a[0], "h0", 4);
+        cache_one(&mut p, a[1], "h1", 8);
+        // Listed out of order, with the null block and an uncached block among them.
+        assert_eq!(p.max_block_hash_num_tokens(&[a[1], 0, a[0], a[2]]), 8);
+        assert_eq!(p.max_block_hash_num_tokens(&[a[0], a[2]]), 4);
     }
 
     #[test]

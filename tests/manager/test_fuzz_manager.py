@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import integration
+from hybrid_alloc.integration.scheduler import manager_patches
 from hybrid_alloc.integration.scheduler.block_pool import BlockPool as RustPool
 from tests.helpers import (
     LAYOUTS,
@@ -435,6 +436,12 @@ class ManagerMachine(CountingMachine):
         blocks = {rid: self.ours.get_block_ids(rid) for rid in sorted(self.tracked)}
         for rid, ids in blocks.items():
             assert ids == self.stock.get_block_ids(rid)
+        # The prefill statistics' cached-token estimate: ours (one pool call per group)
+        # against vLLM's own on its pool.
+        for rid, t in sorted(self.tracked.items()):
+            assert manager_patches.estimate_cached_tokens(
+                self.ours, t.ours
+            ) == manager_patches.vllm_estimate_cached_tokens(self.stock, t.stock), rid
         self.account(
             (
                 snap,

@@ -65,6 +65,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc import integration
 from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
+from hybrid_alloc.integration.scheduler import manager_patches
 from tests.helpers import (
     BLOCK,
     MAX_LEN,
@@ -667,6 +668,12 @@ class PerGroupMachine(CountingMachine):
                 g for g in range(self.pools.num_groups) if self.pools.pool_index_of_group(g) == idx
             }
             check_our_pool(pool, [self.our_managers[g] for g in sorted(groups)], groups)
+        # The prefill statistics' cached-token estimate: ours (one pool call per group)
+        # against vLLM's own loop over the same handles.
+        for rid, t in sorted(self.tracked.items()):
+            assert manager_patches.estimate_cached_tokens(
+                self.ours, t.ours
+            ) == manager_patches.vllm_estimate_cached_tokens(self.ours, t.ours), rid
         rows_s, first_s = self.layout_of("stock")
         rows_o, first_o = self.layout_of("ours")
         # The same requests hold the same block lists (shapes, null padding).

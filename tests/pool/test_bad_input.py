@@ -243,6 +243,7 @@ def bad_calls(draw: Any) -> tuple[str, Any, Any]:
                 "touch",
                 "unpin_blocks",
                 "count_evictable",
+                "max_block_hash_num_tokens",
                 "is_block_writable",
                 "evict_blocks",
                 "move_block_hashes",
@@ -269,7 +270,13 @@ def bad_calls(draw: Any) -> tuple[str, Any, Any]:
             return refusal((ValueError, rf"pool-a\b.*{n}\b"))
 
         return f"get_new_blocks({n})", call, expect
-    if kind in ("free_blocks", "touch", "unpin_blocks", "count_evictable"):
+    if kind in (
+        "free_blocks",
+        "touch",
+        "unpin_blocks",
+        "count_evictable",
+        "max_block_hash_num_tokens",
+    ):
         picks = draw(BLOCK_LISTS)
 
         def call(w: World) -> Any:

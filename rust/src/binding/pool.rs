@@ -643,6 +643,16 @@ impl NativeBlockPool {
         Ok(slf.try_borrow()?.core.count_evictable(&ids))
     }
 
+    /// The most tokens any of `blocks`' hashes cover, 0 if none is cached (vLLM's
+    /// `estimate_cached_tokens` reads `block_hash_num_tokens` block by block for this).
+    fn max_block_hash_num_tokens(
+        slf: &Bound<'_, Self>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let ids = Self::own_ids(slf, blocks, "max_block_hash_num_tokens")?;
+        Ok(slf.try_borrow()?.core.max_block_hash_num_tokens(&ids))
+    }
+
     /// The first cached block for `block_hash` in each listed group, or None if any group
     /// misses.
     fn get_cached_block<'py>(
