@@ -346,6 +346,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         trace = load_trace(args.trace, args.num_requests, args.rate, args.seed)
+        if args.max_output_tokens is not None:
+            trace = trace.with_max_output(args.max_output_tokens)
     except (OSError, ValueError) as exc:
         print(f"hybrid-alloc simulate: {exc}", file=sys.stderr)
         return 1
@@ -415,6 +417,13 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     s.add_argument("--num-requests", type=_positive, default=None, help="trace size")
     s.add_argument("--rate", type=float, default=None, help="arrivals per second")
     s.add_argument("--seed", type=_non_negative, default=0, help="trace and token seed")
+    s.add_argument(
+        "--max-output-tokens",
+        type=_positive,
+        default=None,
+        help="cut every request's output to at most this many tokens (1: the traffic of "
+        "a P/D prefill instance)",
+    )
     s.add_argument("--save-trace", metavar="FILE.jsonl", help="write the trace used")
     s.add_argument("--mamba-cache-mode", choices=("none", "align"), default="none")
     s.add_argument("--max-num-seqs", type=_positive, default=256)

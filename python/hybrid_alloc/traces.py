@@ -66,7 +66,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,17 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def with_max_output(self, max_output: int) -> Trace:
+        """The same requests with each output cut to at most ``max_output`` tokens
+        (``1``: a P/D prefill instance's traffic, whose requests end at their first
+        token; prompts, arrivals and shared prefixes stay as they are)."""
+        if max_output < 1:
+            raise ValueError(f"trace {self.name!r}: max_output must be at least 1")
+        requests = tuple(
+            replace(r, output_len=min(r.output_len, max_output)) for r in self.requests
+        )
+        return Trace(self.name, requests, {**self.params, "max_output": max_output})
 
     def describe(self) -> str:
         n = len(self.requests)

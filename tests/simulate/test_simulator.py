@@ -442,6 +442,22 @@ def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
             assert again["layouts"][layout][key] == data["layouts"][layout][key]
 
 
+def test_cli_simulate_prefill_only(tmp_path: Path) -> None:
+    """``--max-output-tokens 1``: every request ends at its first token, on both layouts."""
+    from hybrid_alloc.cli import main
+
+    out = tmp_path / "sim.json"
+    args = ["simulate", "qwen3.5-0.8b", "--memory", "8GiB", "--trace", "chat"]
+    args += ["--num-requests", "12", "--max-num-seqs", "8", "--max-model-len", "8192"]
+    assert main([*args, "--max-output-tokens", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for layout in ("stock", "elastic"):
+        assert data["layouts"][layout]["finished"] == 12
+        assert data["layouts"][layout]["generated_tokens"] == 12
+    with pytest.raises(SystemExit):  # argparse refuses it
+        main([*args, "--max-output-tokens", "0"])
+
+
 def test_cli_simulate_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hybrid_alloc.cli import main
 

@@ -237,6 +237,21 @@ def test_jsonl_round_trip(requests: list[TraceRequest]) -> None:
         assert (a.system_id, a.system_len) == (b.system_id, b.system_len)
 
 
+def test_outputs_cut_to_a_maximum() -> None:
+    trace = prefix_trace(num_requests=40, seed=3)
+    cut = trace.with_max_output(1)
+    assert [r.output_len for r in cut.requests] == [1] * 40
+    assert [(r.arrival, r.prompt_len, r.prefix_id, r.prefix_len) for r in cut.requests] == [
+        (r.arrival, r.prompt_len, r.prefix_id, r.prefix_len) for r in trace.requests
+    ]
+    some = trace.with_max_output(200)
+    assert [r.output_len for r in some.requests] == [min(r.output_len, 200) for r in trace.requests]
+    assert any(r.output_len > 200 for r in trace.requests)
+    assert some.params["max_output"] == 200
+    with pytest.raises(ValueError, match="max_output"):
+        trace.with_max_output(0)
+
+
 def test_jsonl_files(tmp_path: Path) -> None:
     trace = prefix_trace(num_requests=50, seed=9)
     path = write_jsonl(trace, tmp_path / "t.jsonl")
