@@ -234,8 +234,9 @@ def per_group_comparison(model: Path, work: Path, args: argparse.Namespace) -> b
     """Stock vLLM vs per-group pools at the same KV memory: capacity and outputs."""
     print(
         f"\nper-group pools: stock shared pool vs one pool per KV-cache group over one "
-        f"elastic byte budget (HYBRID_ALLOC_ELASTIC_POOLS=0: a static split), both with "
-        f"{PER_GROUP_KV_MIB} MiB of KV memory, no prefix caching (Mamba 'none' mode)",
+        f"elastic byte budget (the default; HYBRID_ALLOC_ELASTIC_POOLS=0 runs a static "
+        f"split), both with {PER_GROUP_KV_MIB} MiB of KV memory, no prefix caching "
+        f"(Mamba 'none' mode)",
         flush=True,
     )
     extra = ["--no-prefix-caching", "--kv-cache-mib", str(PER_GROUP_KV_MIB), *args.engine_args]
@@ -263,6 +264,16 @@ def per_group_comparison(model: Path, work: Path, args: argparse.Namespace) -> b
     ours = results[1].get("capacity", {}).get("kv_cache_size_tokens")
     if stock and ours:
         print(f"KV token capacity: stock {stock:,}, per-group {ours:,} ({ours / stock:.2f}x)")
+        # The two layouts count states differently (README, The demo): an elastic budget
+        # charges one to every max_model_len request it could hold, a static split sets
+        # aside max_num_seqs of them.
+        elastic = results[1].get("probe", {}).get("before_reset", {}).get("elastic")
+        print(
+            "  (the engine's figure: the budget as requests of max_model_len tokens, each "
+            "with its own state)"
+            if elastic
+            else "  (the engine's figure: attention tokens beside max_num_seqs states)"
+        )
     return same
 
 
