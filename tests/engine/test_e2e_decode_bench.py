@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TWO_PREFIX_WAVES, check_pair, run_pair
+from tests.helpers import TWO_PREFIX_WAVES, check_pair, run_pair, slow_e2e
 
 DECODE_BENCH = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
 WORKLOAD = [
@@ -27,6 +27,7 @@ WORKLOAD = [
 
 
 @pytest.mark.e2e
+@slow_e2e("DecodeBenchConnector on per-group pools; the quick set's P/D pair runs a connector")
 def test_decode_bench_connector_on_per_group_pools(tmp_path: Path) -> None:
     """Qwen3-Next in 'align' mode, 12 requests through 4 slots: every prompt but its last
     token claimed by the connector in both engines, same tokens, per-group (elastic) pools

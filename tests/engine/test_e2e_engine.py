@@ -220,6 +220,7 @@ def test_no_caching_qwen3_next(no_caching_pair: dict[str, dict[str, Any]]) -> No
 
 
 # ----------------------------------------------------- nemotron_h (Mamba2 hybrid)
+@slow_e2e("the drop-in pool on a Mamba2 hybrid; the quick set's Granite 4.0-H pair runs Mamba2")
 def test_nemotron_h_mamba2_hybrid(nemotron_pair: dict[str, dict[str, Any]]) -> None:
     _assert_same_outputs(nemotron_pair)
     _assert_backend_used(nemotron_pair["rust"], "rust", RUST_POOL)

@@ -36,9 +36,16 @@ from tests.helpers import (
     check_recompute_replay,
     replay_prompts,
     run_engines,
+    slow_e2e,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    slow_e2e(
+        "vLLM's native KV offloading: CPU and filesystem tiers, restarts, failed loads; ten "
+        "minutes of engines on a slow 2-core machine, so the full set only"
+    ),
+]
 
 # Four prompts with distinct prefixes, two at a time, twice: the small device pool holds
 # two requests, so the first wave's early prefixes are evicted before the second wave.

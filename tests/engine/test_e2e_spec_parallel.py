@@ -59,11 +59,11 @@ def versions_fix_applies() -> bool:
 
 @pytest.fixture(
     params=[
-        "static",
         pytest.param(
-            "elastic",
-            marks=slow_e2e("elastic pools under speculative decoding and TP2/PP2 (opt-in)"),
+            "static",
+            marks=slow_e2e("the static split under speculative decoding and TP2/PP2"),
         ),
+        "elastic",
     ]
 )
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -143,6 +143,7 @@ def test_e2e_ngram_speculative_decoding(qwen3_next: Path, tmp_path: Path, layout
 
 
 @pytest.mark.e2e
+@slow_e2e("MTP speculative decoding; the quick set runs n-gram drafts")
 def test_e2e_mtp_speculative_decoding(tmp_path: Path, layout: str) -> None:
     """vLLM's MTP speculative decoding (one token) on a Qwen3-Next with a random MTP layer:
     the MTP layer has the target attention's spec, so it shares that group's pool (2
@@ -170,6 +171,7 @@ def test_e2e_mtp_speculative_decoding(tmp_path: Path, layout: str) -> None:
 
 
 @pytest.mark.e2e
+@slow_e2e("tensor parallelism 2; the quick set runs one engine a side")
 def test_e2e_tensor_parallel_2(qwen3_next: Path, tmp_path: Path, layout: str) -> None:
     """Two tensor-parallel workers (one core each): both hold every layer, one sizing
     serves both; outputs token-identical, more token capacity."""
@@ -186,6 +188,7 @@ def test_e2e_tensor_parallel_2(qwen3_next: Path, tmp_path: Path, layout: str) ->
 
 
 @pytest.mark.e2e
+@slow_e2e("pipeline parallelism 2; the quick set runs one engine a side")
 def test_e2e_pipeline_parallel_2(tmp_path: Path, layout: str) -> None:
     """Two pipeline stages of the 8-layer Qwen3-Next (each 3 GDN + 1 attention layers):
     one sizing for both, each stage lays out its own layers; outputs token-identical.

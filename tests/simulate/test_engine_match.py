@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import run_engines
+from tests.helpers import run_engines, slow_e2e
 from tests.simulate.cases import EngineCase
 
 pytest.importorskip("vllm")
@@ -58,6 +58,7 @@ def engines(
 
 
 @pytest.mark.e2e
+@slow_e2e("the simulator's schedule against three engines' (stock, static, elastic)")
 @pytest.mark.parametrize("layout", list(CASES))
 def test_simulated_schedule_matches_the_engine(
     layout: str, tiny_qwen3_next: Path, engines: dict[str, dict[str, Any]]
