@@ -36,6 +36,13 @@ DEFAULT_BLOCKS = {"qwen3_next": 36, "nemotron_h": 12}
 PER_GROUP_KV_MIB = 64
 
 
+def probe_state(result: dict[str, Any]) -> dict[str, Any]:
+    """What the engine-core probe recorded at the end of a run, before the prefix-cache
+    reset (empty if the run has no probe)."""
+    state: dict[str, Any] = result.get("probe", {}).get("before_reset", {})
+    return state
+
+
 def run_engine(
     model: Path,
     backend: str,
@@ -113,7 +120,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         queries = m.get("prefix_cache_queries", 0)
         hits = m.get("prefix_cache_hits", 0)
         conc = cap.get("max_concurrency")
-        sched_cpu = r.get("probe", {}).get("before_reset", {}).get("scheduler_cpu_s")
+        sched_cpu = probe_state(r).get("scheduler_cpu_s")
         rows.append(
             (
                 r.get("backend", "?"),
@@ -222,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("schedule_digest", "same scheduling decisions (every step)"),
             ("blocks_digest", "same block IDs handed out"),
         ):
-            digests = {r.get("probe", {}).get("before_reset", {}).get(key) for r in results}
+            digests = {probe_state(r).get(key) for r in results}
             verdict = "unknown" if None in digests else "yes" if len(digests) == 1 else "no"
             print(f"{what}: {verdict}")
         if args.per_group and same:
@@ -267,7 +274,7 @@ def per_group_comparison(model: Path, work: Path, args: argparse.Namespace) -> b
         # The two layouts count states differently (README, The demo): an elastic budget
         # charges one to every max_model_len request it could hold, a static split sets
         # aside max_num_seqs of them.
-        elastic = results[1].get("probe", {}).get("before_reset", {}).get("elastic")
+        elastic = probe_state(results[1]).get("elastic")
         print(
             "  (the engine's figure: the budget as requests of max_model_len tokens, each "
             "with its own state)"
