@@ -226,8 +226,9 @@ def _nixl_unsupported_reason(kv_transfer_config: Any, vllm_config: Any) -> str |
             return "NixlConnector with pipeline parallelism"
         if parallel.tensor_parallel_size > 1:
             # Each rank registers its own shard as one region per layer; no P/D pair of
-            # tensor-parallel engines was run here (four workers do not start on 2 cores
-            # within the transfers' lease), so these keep vLLM's layout.
+            # tensor-parallel engines was run here (on 2 cores each idle worker's NIXL
+            # progress thread keeps a core busy, and the other engine's workers do not
+            # start), so these keep vLLM's layout.
             return "NixlConnector with tensor parallelism (not run with per-group pools)"
     device = getattr(kv_transfer_config, "kv_buffer_device", None) or "cuda"
     if device == "cpu" and not current_platform.is_cpu():
