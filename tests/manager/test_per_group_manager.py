@@ -332,8 +332,21 @@ def test_manager_eviction_is_per_group() -> None:
     assert pools.pools[0].cache_entries() == []
     assert sorted(pools.pools[1].cache_entries()) == mamba_before
     events = mgr.take_events()
-    assert {e.group_idx for e in events if type(e).__name__ == "BlockStored"} == {0, 1}
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    assert {e.group_idx for e in stored} == {0, 1}
     assert {e.group_idx for e in events if type(e).__name__ == "BlockRemoved"} == {0}
+    # What a KV-aware router tells groups apart by: each stored block names its group's
+    # kind (vLLM's manager reads it from the per-group config) and block size.
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    groups = mgr.kv_cache_config.kv_cache_groups
+    for e in stored:
+        spec = groups[e.group_idx].kv_cache_spec
+        assert (e.kv_cache_spec_kind, e.block_size) == (
+            get_kv_cache_spec_kind(spec).value,
+            spec.block_size,
+        )
+    assert len({e.kv_cache_spec_kind for e in stored}) == 2
 
 
 def test_stock_config_gets_stock_coordinator() -> None:
