@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheTensor,
     MambaSpec,
+    get_kv_cache_spec_kind,
 )
 from vllm.v1.request import Request, RequestStatus
 
@@ -337,8 +338,6 @@ def test_manager_eviction_is_per_group() -> None:
     assert {e.group_idx for e in events if type(e).__name__ == "BlockRemoved"} == {0}
     # What a KV-aware router tells groups apart by: each stored block names its group's
     # kind (vLLM's manager reads it from the per-group config) and block size.
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-
     groups = mgr.kv_cache_config.kv_cache_groups
     for e in stored:
         spec = groups[e.group_idx].kv_cache_spec
