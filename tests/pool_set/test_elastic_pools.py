@@ -157,7 +157,10 @@ class ElasticMachine(CountingMachine):
         others = e.num_fully_free - e.num_idle(primary)
         assert counted == pool.get_num_free_blocks() + others * e.pages_per_slab(primary)
         refused = sizes[primary] > counted or self.elastic.plan([[]] * len(self.groups), news)
-        got = self.elastic.grow(news, primary, sizes[primary])
+        # The primary group's need as the coordinator passes it (None: the pages `news`
+        # asks of group `primary`, summed by the pools), or given.
+        given = data.draw(st.sampled_from([None, sizes[primary]]))
+        got = self.elastic.grow(news, primary, given)
         if refused:
             assert got is None
             assert _state(self.elastic, self.pools) == before, "a refused grow changed"
@@ -322,6 +325,8 @@ def test_grow_refuses_bad_input_naming_the_group() -> None:
     with pytest.raises(ValueError, match="group 5 is not in this byte budget"):
         elastic.num_free_for(5)
     assert elastic.grow([(0, 2**40)], 0, 0) is None, "more pages than the budget holds"
+    # The primary need summed by the pools saturates rather than overflowing.
+    assert elastic.grow([(0, 2**63), (0, 2**63)], 0) is None
     assert _state(elastic, pools) == before, "a refused call changed the pools"
     got = elastic.grow([(0, 3), (1, 1)], 0, 3)
     assert got is not None and [len(b) for b in got] == [3, 1]

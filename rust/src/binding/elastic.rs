@@ -370,17 +370,24 @@ impl NativeElasticPools {
     /// A running request's decode step that takes pages only (`news`: (group, new pages)
     /// in the order the groups allocate), in one call: refused (None, nothing changed)
     /// when more than `num_free_for(primary)` pages are asked of the primary group's
-    /// groups (`primary_need`: vLLM's own comparison) or when the step does not fit
-    /// (`reserve`'s plan); else the step is reserved and each entry's pages are taken
-    /// from its group's pool (as `get_new_blocks`), one list of handles per entry. The
-    /// reservation lasts until `end_step`.
+    /// groups (`primary_need`: vLLM's own comparison; by default the pages `news` asks
+    /// of group `primary`) or when the step does not fit (`reserve`'s plan); else the
+    /// step is reserved and each entry's pages are taken from its group's pool (as
+    /// `get_new_blocks`), one list of handles per entry. The reservation lasts until
+    /// `end_step`.
+    #[pyo3(signature = (news, primary, primary_need=None))]
     fn grow<'py>(
         slf: &Bound<'py, Self>,
         news: Vec<(i64, usize)>,
         primary: i64,
-        primary_need: u64,
+        primary_need: Option<u64>,
     ) -> PyResult<Option<Vec<Bound<'py, PyList>>>> {
         let py = slf.py();
+        let primary_need = primary_need.unwrap_or_else(|| {
+            news.iter()
+                .filter(|&&(g, _)| g == primary)
+                .fold(0u64, |sum, &(_, n)| sum.saturating_add(n as u64))
+        });
         if primary_need > Self::num_free_for(slf, primary)? {
             return Ok(None);
         }

@@ -503,46 +503,31 @@ class PerGroupPoolsMixin(RunningTableMixin):
         main = min(request.num_computed_tokens, max_len) + num_new
         slots = min(main + lookahead, max_len)
         pool_set = self.pool_set
-        news = list(zip(self._group_pools, needs, strict=True))
+        e = pool_set.elastic
+        if e is not None and self._grows_in_place(request_id, slots, needs):
+            return self._grow_in_place(kv_manager, request, num_new, needs, e)
         blocks: tuple[list[Any], ...] | None = None
         try:
-            e = pool_set.elastic
-            managers = self.single_type_managers
-            if e is not None and self._grows_in_place(request_id, slots, needs):
-                # vLLM's two refusals (the primary pool's count as vLLM compares it, then
-                # the plan, which reserves the step before it lends anything), then each
-                # group's pages, in one call; the managers' tables are extended as their
-                # `allocate_new_blocks` would (checked to take the same counts).
-                grown = e.grow(
-                    news, pool_set.primary_index, sum(needs[g] for g in self._primary_groups)
-                )
-                if grown is None:
+            if e is not None:
+                # The same two refusals as `_grow_in_place`, then vLLM's managers take the
+                # pages.
+                news = list(zip(self._group_pools, needs, strict=True))
+                if (
+                    sum(needs[g] for g in self._primary_groups) > pool_set.get_num_free_blocks()
+                    or e.reserve(self._no_hits, news) is not None
+                ):
                     return None
-                for g, new in enumerate(grown):
-                    if new:
-                        manager = managers[g]
-                        manager.req_to_blocks[request_id].extend(new)
-                        if manager._record_new_block_ids:
-                            manager.new_block_ids.extend(b.block_id for b in new)
-                blocks = tuple(grown)
             else:
-                if e is not None:
-                    # The same two refusals, then vLLM's managers take the pages.
-                    if (
-                        sum(needs[g] for g in self._primary_groups) > pool_set.get_num_free_blocks()
-                        or e.reserve(self._no_hits, news) is not None
-                    ):
-                        return None
-                else:
-                    need = [0] * len(pool_set)
-                    for idx, n in news:
-                        need[idx] += n
-                    if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
-                        return None
-                blocks = tuple(
-                    managers[g].allocate_new_blocks(request_id, slots, main) if n else []
-                    for g, n in enumerate(needs)
-                )
+                need = [0] * len(pool_set)
+                for idx, n in zip(self._group_pools, needs, strict=True):
+                    need[idx] += n
+                if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
+                    return None
+            managers = self.single_type_managers
+            blocks = tuple(
+                managers[g].allocate_new_blocks(request_id, slots, main) if n else []
+                for g, n in enumerate(needs)
+            )
         finally:
             self._reservation_queries.clear()
             self._end_step()
@@ -555,6 +540,38 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 else:
                     self._sync_running(request, room)
         return kv_manager.create_kv_cache_blocks(blocks)
+
+    def _grow_in_place(
+        self, kv_manager: Any, request: Any, num_new: int, needs: Sequence[int], e: Any
+    ) -> Any:
+        """`_grow_decode_step` on elastic pools where `_grows_in_place` holds: vLLM's two
+        refusals (the primary pool's count as vLLM compares it, then the plan, which
+        reserves the step before it lends anything) and each group's pages, in one call
+        to the pools (`NativeElasticPools.grow`, which sums the primary pool's need
+        itself); the managers' tables are extended as their ``allocate_new_blocks`` would,
+        and the running-requests table adds exactly ``needs`` (what the pools took)."""
+        request_id = request.request_id
+        news = list(zip(self._group_pools, needs, strict=True))
+        try:
+            grown = e.grow(news, self.pool_set.primary_index)
+        finally:
+            self._reservation_queries.clear()
+            e.end_step()
+            self._admitted_step = None
+        if grown is None:
+            return None
+        managers = self.single_type_managers
+        for g, new in enumerate(grown):
+            if new:
+                manager = managers[g]
+                manager.req_to_blocks[request_id].extend(new)
+                if manager._record_new_block_ids:
+                    manager.new_block_ids.extend([b.block_id for b in new])
+        table = self._running
+        if table is not None:
+            room = _room_length(request, num_new) if self._decode_room_tokens else 0
+            table.grown(request_id, needs, room)
+        return kv_manager.create_kv_cache_blocks(tuple(grown))
 
     def _grows_in_place(self, request_id: str, slots: int, needs: Sequence[int]) -> bool:
         """Whether every manager that takes blocks in this decode step is one whose
