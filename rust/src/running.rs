@@ -682,6 +682,18 @@ impl RunningRequests {
         )
     }
 
+    /// Cached blocks were evicted from the prefix cache (vLLM's `evict_blocks`, after a
+    /// failed KV load): a partial entry registered for a running request may be gone,
+    /// and vLLM's `cache_blocks` registers it again at that request's next step. Every
+    /// request's next step therefore takes vLLM's path (its `sync` brings the facts
+    /// back). Block counts and room are unchanged.
+    pub fn cache_evicted(&mut self) {
+        for entry in self.entries.values_mut() {
+            entry.settled = false;
+            entry.partial_done.fill(false);
+        }
+    }
+
     /// The request is freed (or its blocks popped for a deferred free): its room is no
     /// longer kept. Unknown requests are ignored (vLLM frees requests it never allocated
     /// for, e.g. one aborted while waiting).
@@ -938,6 +950,29 @@ mod tests {
             cached_tokens,
             prompt_tokens: 100,
         }
+    }
+
+    #[test]
+    fn an_eviction_sends_every_next_step_down_vllms_path() {
+        let rule = caching(64, Caching::Full);
+        let mut t = RunningRequests::new(vec![rule], true, 0, Some(CACHEABLE)).unwrap();
+        for id in ["a", "b"] {
+            t.sync(id, &[Some(2)], false, 0, Some(&facts(1, 0, None, 101)))
+                .unwrap();
+            assert_eq!(t.decode_step(id, &decode(101, 100)), StepPlan::Quiet);
+        }
+        // The partial entry at 96 tokens may have been evicted: vLLM's `cache_blocks`
+        // registers it again, so the step is vLLM's.
+        t.cache_evicted();
+        for id in ["a", "b"] {
+            assert_eq!(t.decode_step(id, &decode(102, 100)), StepPlan::VllmPath);
+        }
+        assert_eq!(t.len(), 2, "the requests stay in the table");
+        // After vLLM's step, the sync's facts make the next steps quiet again.
+        t.sync("a", &[Some(2)], false, 0, Some(&facts(1, 0, None, 102)))
+            .unwrap();
+        assert_eq!(t.decode_step("a", &decode(102, 100)), StepPlan::Quiet);
+        assert_eq!(t.decode_step("b", &decode(102, 100)), StepPlan::VllmPath);
     }
 
     #[test]

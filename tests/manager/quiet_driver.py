@@ -51,6 +51,7 @@ class TwinManagers:
         self.calls = 0
         self.preempted = 0
         self.hits = 0
+        self.evicted = 0
         # Per request, the length its decode room is counted from after its last call.
         self.lengths: dict[str, int] = {}
 
@@ -84,6 +85,31 @@ class TwinManagers:
             {"num_new_computed_tokens": hit, "new_computed_blocks": blocks} for blocks, hit in found
         ], hit_a
 
+    def evict_cached(self, rng: random.Random) -> int:
+        """A connector evicts cached blocks (vLLM's ``evict_blocks`` after a failed load),
+        about a third of each pool's, the same IDs on both managers (their caches are
+        equal), with the coordinator's hooks installed as the engine runs them. Returns
+        the blocks evicted."""
+        pool = self.mgrs[0].block_pool
+        if hasattr(pool, "pool_for_group"):  # per-group pools: IDs by group
+            chosen: Any = {}
+            for g in range(pool.num_groups):
+                cached = sorted(
+                    {i for _, ids in pool.pool_for_group(g).cache_entries() for i in ids}
+                )
+                if cached:
+                    chosen[g] = rng.sample(cached, max(1, len(cached) // 3))
+            count = sum(map(len, chosen.values()))
+        else:
+            cached = sorted({i for _, ids in pool.cache_entries() for i in ids})
+            chosen = set(rng.sample(cached, max(1, len(cached) // 3))) if cached else set()
+            count = len(chosen)
+        if count:
+            with allocate_slots_installed():
+                for m in self.mgrs:
+                    m.evict_blocks(chosen)
+        return count
+
     def each(self, rid: str, fn: Any) -> None:
         for r in self.reqs[rid]:
             fn(r)
@@ -111,6 +137,8 @@ class Traffic:
     """Prompts start with one of three shared prompts and admissions look up the prefix
     cache (sampled tokens are random); otherwise every prompt is its own, sampled tokens
     are all 7, and no lookups."""
+    evict: float = 0.0
+    """Per step, the chance that a connector evicts cached blocks (`evict_cached`)."""
 
 
 def drive(twins: TwinManagers, seed: int, steps: int, traffic: Traffic) -> None:
@@ -204,4 +232,6 @@ def drive(twins: TwinManagers, seed: int, steps: int, traffic: Traffic) -> None:
                 twins.each(rid, admitted)
                 if hit + first == req.num_tokens:
                     twins.outputs[rid] += 1
+        if traffic.evict and rng.random() < traffic.evict:
+            twins.evicted += twins.evict_cached(rng)
         twins.check()

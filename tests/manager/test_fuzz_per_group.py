@@ -52,6 +52,8 @@ their own, rebuild our cache contents.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +133,23 @@ def our_cache(pools: Any) -> dict[bytes, list[Any]]:
             assert key not in out
             out[key] = [pool.blocks[i] for i in ids]
     return out
+
+
+@contextmanager
+def side_installed(side: str) -> Iterator[None]:
+    """vLLM's classes as one side runs them: stock with the integration uninstalled,
+    ours with it installed and the per-group coordinator's hooks (as the engine installs
+    them: its running-requests table answers decode steps and hears of evictions)."""
+    if side == "stock":
+        integration.uninstall()
+    else:
+        integration.install(per_group_pools=False)
+        pg_coordinator.install()
+    try:
+        yield
+    finally:
+        pg_coordinator.uninstall()
+        integration.uninstall()
 
 
 def has(state: str) -> Any:
@@ -221,22 +240,12 @@ class PerGroupMachine(CountingMachine):
         uninstalled, ours with it installed (the batched lookup, our ``allocate_slots``);
         returns (result, error)."""
         t = self.tracked[rid]
-        if side == "stock":
-            integration.uninstall()
-            mgr, req = self.stock, t.stock
-        else:
-            integration.install(per_group_pools=False)
-            # The per-group coordinator's `allocate_slots` (as the engine installs it): its
-            # running-requests table answers decode steps.
-            pg_coordinator.install()
-            mgr, req = self.ours, t.ours
-        try:
-            return getattr(mgr, fn)(req, *args, **kwargs), None
-        except ValueError as e:
-            return None, e
-        finally:
-            pg_coordinator.uninstall()
-            integration.uninstall()
+        mgr, req = (self.stock, t.stock) if side == "stock" else (self.ours, t.ours)
+        with side_installed(side):
+            try:
+                return getattr(mgr, fn)(req, *args, **kwargs), None
+            except ValueError as e:
+                return None, e
 
     def both(self, fn: str, rid: str, *args: Any, **kwargs: Any) -> None:
         for side in ("stock", "ours"):
@@ -580,7 +589,8 @@ class PerGroupMachine(CountingMachine):
         for key in keys:
             by_group.setdefault(get_group_id(key), []).extend(b.block_id for b in ours[key])
         self.stock.evict_blocks({b.block_id for key in keys for b in cached[key]})
-        self.ours.evict_blocks(by_group)  # type: ignore[arg-type]
+        with side_installed("ours"):
+            self.ours.evict_blocks(by_group)  # type: ignore[arg-type]
         for key in keys:
             event(f"evict: group {get_group_id(key)}")
 
@@ -628,7 +638,8 @@ class PerGroupMachine(CountingMachine):
                 by_group: dict[int, list[int]] = {}
                 for key in only_ours:
                     by_group.setdefault(get_group_id(key), []).extend(b.block_id for b in ours[key])
-                self.ours.evict_blocks(by_group)  # type: ignore[arg-type]
+                with side_installed("ours"):
+                    self.ours.evict_blocks(by_group)  # type: ignore[arg-type]
             if only_stock:
                 self.stock.evict_blocks({b.block_id for k in only_stock for b in stock[k]})
         raise AssertionError("caches do not converge")

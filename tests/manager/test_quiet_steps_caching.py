@@ -16,6 +16,7 @@ the KV-cache events, and what each manager keeps of each request (cached blocks,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -145,3 +146,19 @@ def test_caching_quiet_steps_change_nothing(case: str) -> None:
     assert counted.grown == 0, "caching tables leave growth to vLLM"
     assert twins.hits > 5, twins.hits
     assert twins.preempted > 0
+
+
+@pytest.mark.parametrize("case", ["shared-64", "static-64", "elastic-64"])
+def test_caching_quiet_steps_hear_of_evictions(case: str) -> None:
+    """A connector evicts cached blocks while requests run (vLLM's ``evict_blocks``), the
+    prompt partial entries of running requests among them: vLLM's next ``cache_blocks``
+    for such a request registers its entry again, so the table must not answer that
+    step quiet. Found by the per-group state machine (a partial entry evicted, then the
+    request decoding: stock held it again, ours did not)."""
+    specs, layout = CASES[case]
+    twins = CachingTwins(specs, layout)
+    traffic = dataclasses.replace(TRAFFIC, evict=0.1)
+    for seed in range(3):
+        drive(twins, seed, 150, traffic)
+    assert twins.evicted > 20, twins.evicted
+    assert twins.counted.quiet > 100, twins.counted.quiet

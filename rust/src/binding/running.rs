@@ -291,6 +291,10 @@ impl NativeRunningRequests {
         self.table.forget(request_id);
     }
 
+    fn cache_evicted(&mut self) {
+        self.table.cache_evicted();
+    }
+
     /// `[(pool, pages), ...]` the running requests other than `except_request` lack for
     /// their decode room.
     fn room_asks(&self, except_request: &str) -> Vec<(usize, u64)> {

@@ -110,8 +110,9 @@ class RunningTableMixin:
     """The running requests' table in Rust (`quiet_step`) on a coordinator: quiet decode
     steps (`_quiet_check`, None where no step can be quiet) and the decode room. Told
     after every call that changes a request's blocks (`_sync_running` after vLLM's
-    ``allocate_slots``, `remove_skipped_blocks`, `free`); kept only where one of the
-    two is used. Mixed in before vLLM's class."""
+    ``allocate_slots``, `remove_skipped_blocks`, `free`) and after evictions from the
+    prefix cache (`_cache_evicted`); kept only where one of the two is used. Mixed in
+    before vLLM's class."""
 
     single_type_managers: tuple[Any, ...]
     _per_group_pools = False
@@ -173,6 +174,14 @@ class RunningTableMixin:
                 max(0, processed_computed_tokens),
                 blocks_held(self.single_type_managers, request_id),
             )
+
+    def _cache_evicted(self) -> None:
+        """Cached blocks were evicted (vLLM's ``evict_blocks``): the table's caching
+        facts may be stale (a running request's partial entry, which vLLM's
+        ``cache_blocks`` registers again at its next step), so every running request's
+        next step takes vLLM's path."""
+        if self._caching_table and self._running is not None:
+            self._running.cache_evicted()
 
     def _forget_running(self, request_id: str) -> None:
         if self._running is not None:
@@ -1012,17 +1021,35 @@ def _room_length(request: Any, num_new: int) -> int:
     )
 
 
+_stock_evict_blocks = _kv_cache_manager.KVCacheManager.evict_blocks
+
+
+def evict_blocks_telling_the_table(self: Any, block_ids: Any) -> None:
+    """vLLM's `KVCacheManager.evict_blocks`; then, where the coordinator keeps the
+    running requests' table, that table hears of it (`RunningTableMixin._cache_evicted`),
+    also when the pool refused part of the call."""
+    try:
+        _stock_evict_blocks(self, block_ids)
+    finally:
+        coordinator = self.coordinator
+        if isinstance(coordinator, RunningTableMixin):
+            coordinator._cache_evicted()
+
+
 def install() -> None:
     """Make vLLM's `KVCacheManager` build its coordinator through
-    :func:`get_kv_cache_coordinator`, and allocate through
-    :func:`allocate_slots_honouring_loads` (idempotent)."""
+    :func:`get_kv_cache_coordinator`, allocate through
+    :func:`allocate_slots_honouring_loads` and evict through
+    :func:`evict_blocks_telling_the_table` (idempotent)."""
     _kv_cache_manager.get_kv_cache_coordinator = get_kv_cache_coordinator  # type: ignore[assignment]
     _kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots_honouring_loads  # type: ignore[method-assign]
+    _kv_cache_manager.KVCacheManager.evict_blocks = evict_blocks_telling_the_table  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
     _kv_cache_manager.get_kv_cache_coordinator = _stock_get_kv_cache_coordinator  # type: ignore[assignment]
     _kv_cache_manager.KVCacheManager.allocate_slots = _stock_allocate_slots  # type: ignore[method-assign]
+    _kv_cache_manager.KVCacheManager.evict_blocks = _stock_evict_blocks  # type: ignore[method-assign]
 
 
 def is_installed() -> bool:
