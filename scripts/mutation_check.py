@@ -271,6 +271,24 @@ MUTANTS = (
         # holds the guard to vLLM's own rule.
         ("cargo:running::tests::align_state",),
     ),
+    Mutant(
+        "eviction-unheard-by-table",
+        "vLLM's evict_blocks does not reach the running-requests table, which then answers "
+        "quiet a step where vLLM registers an evicted partial entry again",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
+        "            self._running.cache_evicted()\n",
+        "            pass\n",
+        # test_caching_quiet_steps_hear_of_evictions: the prefix caches differ.
+        ("tests/manager/test_quiet_steps_caching.py",),
+    ),
+    Mutant(
+        "eviction-keeps-facts",
+        "the running-requests table keeps its caching facts after an eviction",
+        "rust/src/running.rs",
+        "            entry.settled = false;\n            entry.partial_done.fill(false);\n",
+        "",
+        ("cargo:running::tests::an_eviction",),
+    ),
 )
 
 
