@@ -536,18 +536,28 @@ def allocate_slots_installed() -> Iterator[None]:
         pg_coordinator.uninstall()
 
 
+@contextmanager
+def engine_hooks_installed() -> Iterator[None]:
+    """vLLM's classes as our engine runs them, for the duration: the integration
+    installed (per-group pools chosen by the caller's config, not by the engine's
+    switch) with the per-group coordinator's hooks (its running-requests table answers
+    quiet decode steps and hears of evictions); both uninstalled afterwards."""
+    integration.install(per_group_pools=False)
+    pg_coordinator.install()
+    try:
+        yield
+    finally:
+        pg_coordinator.uninstall()
+        integration.uninstall()
+
+
 def per_group_manager(
     config: PerGroupKVCacheConfig, events: bool = False, collector: Any = None
 ) -> KVCacheManager:
     """vLLM's manager with the per-group coordinator over a PoolSet (the integration is
     installed while vLLM builds it, and uninstalled again)."""
-    integration.install(per_group_pools=False)
-    pg_coordinator.install()
-    try:
+    with engine_hooks_installed():
         mgr = layout_manager(config, events, collector)
-    finally:
-        pg_coordinator.uninstall()
-        integration.uninstall()
     assert isinstance(mgr.coordinator, PerGroupPoolsMixin)
     assert isinstance(mgr.block_pool, PoolSet)
     return mgr

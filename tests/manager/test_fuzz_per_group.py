@@ -77,6 +77,7 @@ from tests.helpers import (
     budget,
     check_our_pool,
     check_stock_pool,
+    engine_hooks_installed,
     genuine_stock_manager,
     new_request,
     normalize_events,
@@ -141,15 +142,12 @@ def side_installed(side: str) -> Iterator[None]:
     ours with it installed and the per-group coordinator's hooks (as the engine installs
     them: its running-requests table answers decode steps and hears of evictions)."""
     if side == "stock":
-        integration.uninstall()
-    else:
-        integration.install(per_group_pools=False)
-        pg_coordinator.install()
-    try:
-        yield
-    finally:
         pg_coordinator.uninstall()
         integration.uninstall()
+        yield
+    else:
+        with engine_hooks_installed():
+            yield
 
 
 def has(state: str) -> Any:

@@ -12,8 +12,6 @@ in 'none' and 'align' mode), and the KV-cache config that carries them.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import hypothesis.strategies as st
@@ -28,7 +26,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc import integration
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig, PoolLayout
 from hybrid_alloc.integration.scheduler import coordinator as pg_coordinator
 from hybrid_alloc.integration.scheduler.pool_set import PoolSet
@@ -36,6 +33,7 @@ from tests.helpers import (
     PER_GROUP_LAYOUTS,
     check_our_pool,
     drop_in,
+    engine_hooks_installed,
     genuine_stock_manager,
     group_specs,
     layout_manager,
@@ -51,17 +49,6 @@ LAYOUTS = PER_GROUP_LAYOUTS
 
 def caching(layout: str) -> bool:
     return per_group_caching(LAYOUTS[layout])
-
-
-@contextmanager
-def installed() -> Iterator[None]:
-    integration.install(per_group_pools=False)
-    pg_coordinator.install()
-    try:
-        yield
-    finally:
-        pg_coordinator.uninstall()
-        integration.uninstall()
 
 
 def per_group_config(layout: str, sizes: list[int]) -> PerGroupKVCacheConfig:
@@ -211,7 +198,7 @@ def test_tight_pools_stay_consistent(
 ) -> None:
     """Small pools: preemption, eviction and refusals happen; pools stay apart."""
     sizes = [mamba_blocks if isinstance(s, MambaSpec) else attn_blocks for s in LAYOUTS[layout]]
-    with installed():
+    with engine_hooks_installed():
         mgr = build(per_group_config(layout, sizes), layout)
     d = Driver(mgr, layout)
     run(d, seed, check_pools)
@@ -228,7 +215,7 @@ def test_no_manager_keeps_the_pool_vllm_built() -> None:
     import vllm.v1.core.kv_cache_coordinator as coord_module
 
     built: list[Any] = []
-    with installed():
+    with engine_hooks_installed():
         rust_pool = coord_module.BlockPool
 
         def recording(*args: Any, **kwargs: Any) -> Any:
@@ -257,7 +244,7 @@ def _req(d: Driver, rid: str, n: int) -> bool:
 
 def test_full_mamba_pool_refuses_even_with_attention_room() -> None:
     layout = "full+mamba_none"
-    with installed():
+    with engine_hooks_installed():
         mgr = build(per_group_config(layout, [200, 3]), layout)  # 2 usable Mamba blocks
     d = Driver(mgr, layout)
     assert _req(d, "a", 20) and _req(d, "b", 20)
@@ -272,7 +259,7 @@ def test_full_mamba_pool_refuses_even_with_attention_room() -> None:
 
 def test_full_attention_pool_refuses_even_with_mamba_room() -> None:
     layout = "full+mamba_none"
-    with installed():
+    with engine_hooks_installed():
         mgr = build(per_group_config(layout, [5, 50]), layout)  # 4 usable attention blocks
     d = Driver(mgr, layout)
     assert _req(d, "a", 40)  # 3 blocks
@@ -317,7 +304,7 @@ def test_per_pool_needs(sizes: list[int], decision: list[int]) -> None:
 # ------------------------------------------------------------------- eviction
 def test_manager_eviction_is_per_group() -> None:
     layout = "full+mamba_align"
-    with installed():
+    with engine_hooks_installed():
         mgr = build(per_group_config(layout, [64, 64]), layout, events=True)
     d = Driver(mgr, layout)
     tokens = list(range(100, 164))
@@ -350,7 +337,7 @@ def test_manager_eviction_is_per_group() -> None:
 
 def test_stock_config_gets_stock_coordinator() -> None:
     layout = "full+mamba_align"
-    with installed():
+    with engine_hooks_installed():
         mgr = build(
             KVCacheConfig(
                 num_blocks=50, kv_cache_tensors=[], kv_cache_groups=group_specs(LAYOUTS[layout])
