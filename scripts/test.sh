@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run every check and test of the project: Rust format, lints and unit tests, Python lints,
 # then pytest against vLLM 0.32.0 (everything, engine end-to-end tests included) and against
-# vLLM 0.33.0 (every test that starts no engine), and the mutation check (scripts/mutation_check.py). Installs what it needs
-# first (scripts/setup_env.sh, one environment per vLLM release). Extra arguments go to the
-# pytest runs.
+# vLLM 0.33.0 (every test that starts no engine), and the mutation check
+# (scripts/mutation_check.py). Installs what it needs first (scripts/setup_env.sh, one
+# environment per vLLM release). Extra arguments go to the pytest runs.
 #
 #   bash scripts/test.sh           the quick set: every engine pair but the slow ones
 #   bash scripts/test.sh --full    every engine pair (HYBRID_ALLOC_SLOW_E2E=1); what CI runs
