@@ -34,17 +34,23 @@ settings.load_profile(os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Print the state-machine steps that changed state, per machine and per rule (a rule
-    that returned early, was refused, or only looked something up is not a step)."""
-    from tests.helpers import RULES_RUN, STEPS
+    """Print the P/D pairs run again after a NIXL timing failure, and the state-machine
+    steps that changed state, per machine and per rule (a rule that returned early, was
+    refused, or only looked something up is not a step)."""
+    from tests.helpers import PD_PAIRS_RUN, PD_RUNS_AGAIN, RULES_RUN, STEPS
 
+    write = terminalreporter.write_line
+    if PD_PAIRS_RUN[0]:
+        again = len(PD_RUNS_AGAIN)
+        write(f"P/D pairs started: {PD_PAIRS_RUN[0]}; {again} after a NIXL timing failure:")
+        for report in PD_RUNS_AGAIN:
+            write(f"  {report}")
     if not STEPS:
         return
     per_machine: dict[str, dict[str, int]] = {}
     for (machine, rule), n in STEPS.items():
         per_machine.setdefault(machine, {})[rule] = n
     total = sum(STEPS.values())
-    write = terminalreporter.write_line
     write(f"state-changing state-machine steps: {total} (of {sum(RULES_RUN.values())} rules run)")
     for machine, rules in sorted(per_machine.items()):
         parts = ", ".join(f"{rule} {n}" for rule, n in sorted(rules.items()))

@@ -18,8 +18,10 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -651,6 +653,16 @@ def run_engines(
     return results
 
 
+PD_PAIRS_RUN = [0]
+"""How many P/D pairs :func:`run_pd` started in this session (second runs included)."""
+PD_RUNS_AGAIN: list[str] = []
+"""Every P/D pair :func:`run_pd` ran again after a NIXL timing failure: where, why and the
+logs' timeline (tests/conftest.py prints them at the end of the session)."""
+PD_PAUSE_S = 15.0
+"""The pause before a pair runs again. The failures come in runs (on 11-29 CI's stock
+'align' pair failed twice in a row, the second time on fresh ports), so the next pair does
+not start straight into what stalled the last one."""
+
 _NIXL_PORTS = iter(range(21000, 22000))
 """Side-channel ports for P/D engines: below the kernel's ephemeral range (32768-60999
 here), where UCX, gloo and outgoing connections take theirs, and a new one for every
@@ -680,7 +692,7 @@ def run_pd(
     decode: tuple[str, bool] = ("rust", True),
     own: dict[str, list[str]] | None = None,
     allow_errors: bool = False,
-    retries: int = 1,
+    retries: int = 2,
 ) -> dict[str, dict[str, Any]]:
     """Prefill/decode disaggregation over vLLM's NixlConnector: a prefill engine and a
     decode engine, each (backend, per-group pools on) in its own process and on its own
@@ -688,9 +700,13 @@ def run_pd(
     {"prefill": ..., "decode": ...} as :func:`run_engines` does, each with ``pd_attempts``;
     ``own`` adds arguments for one side. A pair whose NIXL transport failed on time (see
     :func:`nixl_timing_failure`) is run again, fresh ports and directory, at most
-    ``retries`` times; the reason goes to stderr."""
+    ``retries`` times, after :data:`PD_PAUSE_S`; the reason and the logs' timeline go to
+    stderr and to :data:`PD_RUNS_AGAIN` (the session's summary prints them)."""
     own = own or {}
     for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(PD_PAUSE_S)
+        PD_PAIRS_RUN[0] += 1
         where = workdir if attempt == 0 else workdir.with_name(f"{workdir.name}-again{attempt}")
         exchange = where / "exchange"
         exchange.mkdir(parents=True, exist_ok=True)
@@ -709,18 +725,45 @@ def run_pd(
                 for role, log in logs.items()
             }
             reason = nixl_timing_failure(stalled)
+            seen = stalled
             if reason is None or attempt == retries:
                 raise
         else:
             reason = nixl_timing_failure(pair)
+            seen = pair
             if reason is None or attempt == retries:
                 break
-        print(f"run_pd: {where}: {reason}; running the pair again", file=sys.stderr)
+        report = f"{where}: {reason} ({nixl_timeline(seen)})"
+        PD_RUNS_AGAIN.append(report)
+        print(f"run_pd: {report}; running the pair again", file=sys.stderr)
     for role, run in pair.items():
         run["pd_attempts"] = attempt + 1
         if not allow_errors:
             assert_no_vllm_errors(role, run)
     return pair
+
+
+_LOG_TIME = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d)\b")
+
+_NIXL_EVENTS = (
+    ("decode", "NIXL compatibility check passed", "decode handshake done"),
+    ("prefill", "Releasing expired KV blocks", "prefill lease ran out"),
+    ("prefill", "were retrieved by a decode worker", "late read reported"),
+    ("decode", "handshake_setup_failed", "decode handshake failed"),
+)
+
+
+def nixl_timeline(pair: dict[str, dict[str, Any]]) -> str:
+    """When the NIXL events that tell the timing failures apart first appear in a pair's
+    logs (vLLM's timestamps, to the second), so a CI log says what the pair was doing."""
+    seen = []
+    for role, needle, label in _NIXL_EVENTS:
+        for line in pair[role]["log_text"].splitlines():
+            if needle in line:
+                stamp = _LOG_TIME.search(line)
+                seen.append(f"{label} {stamp.group(1) if stamp else '?'}")
+                break
+    return "; ".join(seen) or "no NIXL event logged"
 
 
 def nixl_timing_failure(pair: dict[str, dict[str, Any]]) -> str | None:

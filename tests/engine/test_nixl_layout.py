@@ -236,3 +236,29 @@ def test_pd_timing_failures_are_told_from_refusals() -> None:
     assert nixl_timing_failure(pair(push + stalled, refused)) is None
     assert nixl_timing_failure(pair(push, "INFO all fine")) is None
     assert nixl_timing_failure(pair(stalled, "")) is None  # pull mode: not this one
+
+
+def test_pd_timeline_names_the_events_of_a_late_read() -> None:
+    """A pair run again says, from vLLM's log timestamps, when the decode side's handshake
+    finished, when the prefill side's lease ran out and when the late read was reported."""
+    from tests.helpers import nixl_timeline
+
+    decode = (
+        "(Worker pid=7) INFO 11-29 11:39:52 [base_worker.py:1093] NIXL compatibility check "
+        "passed (hash: d8)\n"
+    )
+    prefill = (
+        "(Worker pid=9) WARNING 11-29 11:40:21 [base_worker.py:3031] Releasing expired KV "
+        "blocks for request 0-b0 which were retrieved by 0 remote worker(s) before lease "
+        "expired.\n"
+        "(Worker pid=9) ERROR 11-29 11:40:29 [pull_worker.py:667] Potentially invalid KV "
+        "blocks for unrecognized request 0-b0 were retrieved by a decode worker. They may "
+        "have expired.\n"
+    )
+    pair = {"prefill": {"log_text": prefill}, "decode": {"log_text": decode}}
+    assert nixl_timeline(pair) == (
+        "decode handshake done 11-29 11:39:52; prefill lease ran out 11-29 11:40:21; "
+        "late read reported 11-29 11:40:29"
+    )
+    empty = {"prefill": {"log_text": ""}, "decode": {"log_text": "INFO all fine"}}
+    assert nixl_timeline(empty) == "no NIXL event logged"
