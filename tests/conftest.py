@@ -42,7 +42,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     write = terminalreporter.write_line
     if PD_PAIRS_RUN[0]:
         again = len(PD_RUNS_AGAIN)
-        write(f"P/D pairs started: {PD_PAIRS_RUN[0]}; {again} after a NIXL timing failure:")
+        tail = ":" if again else ""
+        write(f"P/D pairs started: {PD_PAIRS_RUN[0]}; {again} after a NIXL timing failure{tail}")
         for report in PD_RUNS_AGAIN:
             write(f"  {report}")
     if not STEPS:
