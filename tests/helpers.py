@@ -745,11 +745,16 @@ def run_pd(
 
 _LOG_TIME = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d)\b")
 
+# vLLM's NIXL log lines that both the timeline and the failure test look for: a read
+# reported by the prefill side after its lease ran out, and a decode handshake that failed.
+_LATE_READ_LOGGED = "were retrieved by a decode worker. They may have expired"
+_HANDSHAKE_FAILED_LOGGED = "handshake_setup_failed"
+
 _NIXL_EVENTS = (
     ("decode", "NIXL compatibility check passed", "decode handshake done"),
     ("prefill", "Releasing expired KV blocks", "prefill lease ran out"),
-    ("prefill", "were retrieved by a decode worker", "late read reported"),
-    ("decode", "handshake_setup_failed", "decode handshake failed"),
+    ("prefill", _LATE_READ_LOGGED, "late read reported"),
+    ("decode", _HANDSHAKE_FAILED_LOGGED, "decode handshake failed"),
 )
 
 
@@ -786,9 +791,9 @@ def nixl_timing_failure(pair: dict[str, dict[str, Any]]) -> str | None:
 
     A compatibility-hash refusal is an answer, not a timing failure."""
     decode, prefill = pair["decode"]["log_text"], pair["prefill"]["log_text"]
-    if "handshake_setup_failed" in decode and "zmq.error.Again" in decode:
+    if _HANDSHAKE_FAILED_LOGGED in decode and "zmq.error.Again" in decode:
         return "the NIXL handshake got no answer in time"
-    if "were retrieved by a decode worker. They may have expired" in prefill:
+    if _LATE_READ_LOGGED in prefill:
         return "a NIXL read finished after the prefill side's lease ran out"
     if (
         "NixlPushConnector" in prefill
