@@ -214,9 +214,20 @@ impl ByteBudget {
     /// The slab whose pages of group `g` include `page`, or `None` for a page no slab
     /// lends (one straddling two slabs, or past the last).
     pub fn slab_of(&self, g: GroupIndex, page: u32) -> Option<SlabId> {
-        let s = u64::from(page).checked_mul(self.page_bytes[g])? / self.slab_bytes;
-        let s = u32::try_from(s).ok().filter(|&s| s < self.num_slabs())?;
-        self.pages_in(g, s).contains(&page).then_some(s)
+        let page_bytes = self.page_bytes[g];
+        let start = u64::from(page).checked_mul(page_bytes)?;
+        let s = u32::try_from(start / self.slab_bytes)
+            .ok()
+            .filter(|&s| s < self.num_slabs())?;
+        // `page` is in `pages_in(g, s)`, `first..first + per_slab` with `first` the least
+        // page starting at or after the slab's start. It starts there (`s` is the slab it
+        // starts in), so it is at least `first`; it is below `first + per_slab` exactly
+        // when `page - per_slab` starts before the slab does. No second division: this
+        // runs for every page a pool of elastic pools takes or frees.
+        let per_slab = self.pages_per_slab[g];
+        let in_range = page < per_slab
+            || u64::from(page - per_slab) * page_bytes < u64::from(s) * self.slab_bytes;
+        in_range.then_some(s)
     }
 
     pub fn owner(&self, s: SlabId) -> Option<GroupIndex> {
@@ -656,7 +667,12 @@ mod tests {
 
     #[test]
     fn pages_lie_whole_in_their_slab_and_never_overlap() {
-        for (slab, pages) in [(96u64, vec![16i64, 36, 96]), (100, vec![7, 33, 50, 100])] {
+        for (slab, pages) in [
+            (96u64, vec![16i64, 36, 96]),
+            (100, vec![7, 33, 50, 100]),
+            (1000, vec![1, 3, 7, 333, 334, 499]),
+            (12_288, vec![4_096, 6_000, 3_001]),
+        ] {
             let b = ByteBudget::new(slab as i64, 9, &pages).unwrap();
             for g in 0..b.num_groups() {
                 let p = b.page_bytes(g);
@@ -672,7 +688,7 @@ mod tests {
                     seen += r.len() as u32;
                 }
                 // Every page is in one slab's range or in none.
-                let lent = (0..b.num_pages(g))
+                let lent = (0..b.num_pages(g) + 3)
                     .filter(|&q| b.slab_of(g, q).is_some())
                     .count();
                 assert_eq!(lent as u32, seen);

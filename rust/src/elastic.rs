@@ -265,6 +265,16 @@ impl Virtual<'_> {
     /// Up to `n` pages from the front of `g`'s virtual queue, stopping at the first cached
     /// one if `uncached_only`; taken (and their slabs pinned) only if `take`.
     fn walk(&mut self, g: GroupIndex, n: usize, uncached_only: bool, take: bool) -> usize {
+        if !take && self.queue_is_plain(g, uncached_only) {
+            let count = n.min(self.free[g]);
+            debug_assert_eq!(count, self.walk_queue(g, n, uncached_only, false));
+            return count;
+        }
+        self.walk_queue(g, n, uncached_only, take)
+    }
+
+    /// [`walk`](Self::walk), page by page.
+    fn walk_queue(&mut self, g: GroupIndex, n: usize, uncached_only: bool, take: bool) -> usize {
         let pool = self.pools[g];
         let mut at = self.cursor[g];
         let mut count = 0;
@@ -302,6 +312,20 @@ impl Virtual<'_> {
             *self.pinned.entry(done).or_insert(0) += k;
         }
         count
+    }
+
+    /// Whether a count of `g`'s virtual queue needs no walk: no prefix hit and no slab
+    /// taken back has left a page of it behind in this step (nothing is [`gone`]), so
+    /// from the cursor on it is the pool's queue, `free[g]` pages long; and, when the
+    /// count stops at cached pages, the pool caches nothing (where prefix caching is off:
+    /// every step of a 'none'-mode engine). A page count then costs no pointer chase per
+    /// page (a prefill chunk of 8,192 tokens asks 512 pages of a 16-token group).
+    ///
+    /// [`gone`]: Self::gone
+    fn queue_is_plain(&self, g: GroupIndex, uncached_only: bool) -> bool {
+        self.hit_pages[g].is_empty()
+            && self.reclaimed.is_empty()
+            && (!uncached_only || self.pools[g].cache().is_empty())
     }
 
     fn is_idle(&self, s: SlabId) -> bool {
@@ -354,6 +378,14 @@ impl Virtual<'_> {
 
     /// Group `g`'s `n` new pages by the policy; `Err(missing)` if it runs short.
     fn allocate(&mut self, g: GroupIndex, n: usize) -> Result<Lending, usize> {
+        self.lend_for(g, n, true)
+    }
+
+    /// [`allocate`](Self::allocate), with `then_take`: whether the pages it takes from
+    /// `g`'s queue are then taken in the virtual state (cursor moved on, slabs pinned),
+    /// which only later allocations of the same step read. The lending is the same
+    /// either way.
+    fn lend_for(&mut self, g: GroupIndex, n: usize, then_take: bool) -> Result<Lending, usize> {
         let per_slab = self.budget.pages_per_slab(g) as usize;
         let from_spare = n.min(self.spare[g]);
         self.spare[g] -= from_spare;
@@ -389,9 +421,12 @@ impl Virtual<'_> {
             self.lent.extend(victims.iter().copied());
             lending.reclaimed = victims;
         }
-        // The pool pops fresh pages first (they were pushed to the front), then its queue.
-        self.walk(g, n.saturating_sub(fresh), false, true);
-        self.spare[g] += fresh.saturating_sub(n);
+        if then_take {
+            // The pool pops fresh pages first (they were pushed to the front), then its
+            // queue.
+            self.walk(g, n.saturating_sub(fresh), false, true);
+            self.spare[g] += fresh.saturating_sub(n);
+        }
         Ok(lending)
     }
 
@@ -673,7 +708,9 @@ pub fn prepare(
     let lending = {
         let view: Vec<&GroupPool> = pools.iter().map(|p| &**p).collect();
         let mut v = new_virtual(budget, &view, reserved);
-        v.allocate(g, n)
+        // One allocation: nothing reads the virtual state after it, so its pages are not
+        // walked again to be taken there (the pool's pop takes them).
+        v.lend_for(g, n, false)
             .map_err(|missing| PoolError::NotEnoughFree {
                 requested: n,
                 free: n - missing,
