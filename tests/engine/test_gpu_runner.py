@@ -26,6 +26,7 @@ test also runs the same vLLM functions without the hooks and shows what goes wro
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -169,12 +170,30 @@ def new_attention_blocks(
 def test_tagged_ids_round_trip() -> None:
     config = three_pools()
     counts = config.group_num_blocks()
-    assert config.zero_id_offsets() == [0, counts[0], counts[0] + counts[1]]
+    # The ranges stack, the primary (first growing) pool's groups first: its IDs, most
+    # of the list (vLLM lists attention blocks only), travel as they are.
+    order = config.tag_order()
+    assert sorted(order) == [0, 1, 2]
+    primary = next(layout for layout in config.pool_layouts if layout.grows)
+    assert order[: len(primary.group_ids)] == list(primary.group_ids)
+    offsets = config.zero_id_offsets()
+    assert offsets[order[0]] == 0
+    for before, after in itertools.pairwise(order):
+        assert offsets[after] == offsets[before] + counts[before]
+    assert config.tag_block_ids(order[0], [5, 1, 3]) == [5, 1, 3]
     tagged = [t for g in range(3) for t in config.tag_block_ids(g, [0, 1, counts[g] - 1])]
     assert len(set(tagged)) == 9
     assert config.split_tagged_block_ids(tagged) == {g: [0, 1, counts[g] - 1] for g in range(3)}
-    with pytest.raises(ValueError, match="outside"):
-        config.split_tagged_block_ids([sum(counts)])
+    # Any order, groups interleaved, repeats kept: each group's IDs come back ascending.
+    mixed = config.tag_block_ids(2, [7, 2]) + config.tag_block_ids(0, [4, 4]) + tagged[::-1]
+    split = config.split_tagged_block_ids(mixed)
+    assert split[0] == sorted([4, 4, 0, 1, counts[0] - 1])
+    assert split[2] == sorted([7, 2, 0, 1, counts[2] - 1])
+    assert split[1] == [0, 1, counts[1] - 1]
+    assert config.split_tagged_block_ids([]) == {}
+    for outside in (sum(counts), -1):
+        with pytest.raises(ValueError, match=f"tagged block ID {outside} is outside"):
+            config.split_tagged_block_ids([3, outside, 4])
     # Stock vLLM's rule (Mamba layers: zero), only where the engine sizing asks for it.
     assert config.needs_kv_cache_zeroing
     from dataclasses import replace
@@ -379,10 +398,12 @@ def test_gpu_runner_zeroes_each_groups_new_blocks(
     zero_with_runner(runner_kind, config, caches, tagged)
     mamba, full, window = kinds(config)
     assert_zeroed_exactly(config, caches, {full: allocated[full], window: allocated[window]})
-    # vLLM's warmup and EPLB zero tagged ID 0 (group 0's null block; a Mamba group here:
-    # nothing to zero), and the zeroer's warmup zeroes each attention group's null block.
+    # vLLM's warmup and EPLB zero tagged ID 0: the null block of the primary pool's first
+    # group (full attention here), as stock zeroes its one pool's null block; and the
+    # zeroer's warmup zeroes each attention group's null block.
+    assert config.tag_order()[0] == full
     zero_with_runner(runner_kind, config, caches, [0])
-    assert_zeroed_exactly(config, caches, {full: allocated[full], window: allocated[window]})
+    assert_zeroed_exactly(config, caches, {full: [0, *allocated[full]], window: allocated[window]})
     if runner_kind == "v2":
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 

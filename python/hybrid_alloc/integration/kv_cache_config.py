@@ -15,13 +15,14 @@ New blocks are zeroed as stock vLLM zeroes them (:attr:`needs_kv_cache_zeroing`)
 scheduler sends their IDs to the workers as one flat list (``new_block_ids_to_zero``),
 which cannot tell pool-scoped IDs of different groups apart. So the IDs on that list are
 *tagged*: group ``g``'s block ``b`` travels as ``zero_id_offsets[g] + b`` (the offsets stack
-the groups' pool sizes), and the worker hooks (:mod:`.worker.runner`) split the list back into
-each group's own IDs (:meth:`PerGroupKVCacheConfig.split_tagged_block_ids`).
+the groups' pool sizes, the primary pool's groups first: see ``tag_order``), and the worker
+hooks (:mod:`.worker.runner`) split the list back into each group's own IDs
+(:meth:`PerGroupKVCacheConfig.split_tagged_block_ids`).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -148,34 +149,60 @@ class PerGroupKVCacheConfig(KVCacheConfig):
         with)."""
         return [self.layout_of_group(g).num_blocks for g in range(len(self.kv_cache_groups))]
 
+    def tag_order(self) -> list[int]:
+        """Groups in the order their tagged ID ranges are stacked: the groups of the first
+        pool that grows with the sequence (the primary pool), then the others in group
+        order. vLLM lists new blocks for zeroing from attention managers only, so in a
+        hybrid model nearly every ID on the list is the primary pool's first group's: at
+        offset 0 those travel as they are, and neither side makes a new int per ID."""
+        growing = [layout for layout in self.pool_layouts if layout.grows]
+        first = list(growing[0].group_ids) if growing else []
+        return first + [g for g in range(len(self.kv_cache_groups)) if g not in first]
+
     def zero_id_offsets(self) -> list[int]:
-        """Where each group's tagged IDs start: the pool sizes of the groups before it."""
-        offsets, total = [], 0
-        for n in self.group_num_blocks():
-            offsets.append(total)
-            total += n
+        """Per group (indexed by group): where its tagged IDs start, the pool sizes of the
+        groups stacked before it (:meth:`tag_order`)."""
+        counts = self.group_num_blocks()
+        offsets = [0] * len(counts)
+        total = 0
+        for g in self.tag_order():
+            offsets[g] = total
+            total += counts[g]
         return offsets
 
     def tag_block_ids(self, group_id: int, block_ids: Iterable[int]) -> list[int]:
         """Group ``group_id``'s pool-scoped IDs as tagged IDs (unique across groups)."""
         offset = self.zero_id_offsets()[group_id]
-        # `map` with the bound `int.__add__` runs in C: a step's new blocks are one list
-        # per group, up to thousands of IDs in a long prefill.
+        # `map` with the bound `int.__add__` runs in C.
         return list(block_ids) if offset == 0 else list(map(offset.__add__, block_ids))
 
     def split_tagged_block_ids(self, tagged: Iterable[int]) -> dict[int, list[int]]:
-        """Tagged IDs back as ``{group: pool-scoped IDs}`` (groups in order of first
-        appearance, IDs in list order).
+        """Tagged IDs back as ``{group: pool-scoped IDs}``, each group's IDs ascending
+        (zeroing does not depend on order), groups in :meth:`tag_order`.
+
+        The workers run this at every step that zeroes blocks, thousands of IDs in a
+        long prefill: the IDs are sorted (in C), each group's range is found by bisection
+        and sliced out, and only groups not at offset 0 have their offset taken off (in C
+        too); no Python code runs per ID.
 
         Raises:
-            ValueError: an ID past the last group's pool.
+            ValueError: an ID outside the groups' stacked ranges.
         """
+        ids = sorted(tagged)
+        if not ids:
+            return {}
+        counts = self.group_num_blocks()
+        end = sum(counts)
+        if ids[0] < 0 or ids[-1] >= end:
+            bad = ids[0] if ids[0] < 0 else ids[-1]
+            raise ValueError(f"tagged block ID {bad} is outside 0..{end - 1}")
         offsets = self.zero_id_offsets()
-        end = offsets[-1] + self.group_num_blocks()[-1] if offsets else 0
         out: dict[int, list[int]] = {}
-        for t in tagged:
-            if not 0 <= t < end:
-                raise ValueError(f"tagged block ID {t} is outside 0..{end - 1}")
-            g = bisect_right(offsets, t) - 1
-            out.setdefault(g, []).append(t - offsets[g])
+        for g in self.tag_order():
+            start = offsets[g]
+            lo = bisect_left(ids, start)
+            hi = bisect_left(ids, start + counts[g], lo)
+            if lo < hi:
+                part = ids[lo:hi]
+                out[g] = part if start == 0 else list(map((-start).__add__, part))
         return out
