@@ -201,16 +201,10 @@ def _tagging_take_new_block_ids(stock: Callable[..., list[int]]) -> Callable[...
         if config is None or not config.zero_new_blocks:
             return stock(self)
         ids: list[int] = []
-        offsets: list[int] | None = None
         for manager in self.coordinator.single_type_managers:
             new = manager.take_new_block_ids()
             if new:  # called every step; most steps take no block in most groups
-                if offsets is None:
-                    offsets = config.zero_id_offsets()
-                offset = offsets[manager.kv_cache_group_id]
-                # At offset 0 (the primary pool's group, most of the list) the IDs go
-                # as they are; else `int.__add__` maps them in C.
-                ids.extend(new if offset == 0 else map(offset.__add__, new))
+                ids.extend(config.tag_block_ids(manager.kv_cache_group_id, new))
         return ids
 
     return take_new_block_ids
