@@ -4,10 +4,13 @@ behaves as vLLM's runners do, and the ``hybrid-alloc simulate`` command."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -511,6 +514,44 @@ def test_quiet_steps_schedule_alike(layout: str, monkeypatch: pytest.MonkeyPatch
     slow, quick = ({k: v for k, v in run.items() if k not in timings} for run in runs)
     assert slow["preemptions"] > 0 and slow["finished"] == 30
     assert quick == slow
+
+
+def test_each_turn_starts_with_the_young_generations_collected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layouts' engines share Python's cyclic garbage collector. Each turn starts with
+    nothing left in its young generations (the counts `gc.get_count` reads are those of a
+    collection just run), so a collection in one layout's timed calls scans only what
+    that layout allocated, never what the other layout's turn left behind."""
+    sim = _sim()
+    from hybrid_alloc.integration.simulator import run as sim_run
+
+    monkeypatch.setattr(sim_run, "STEPS_PER_TURN", 7)
+    counts: list[tuple[int, int, int]] = []
+    installed = sim_run.layout_installed
+
+    @contextlib.contextmanager
+    def counting(layout: str) -> Iterator[None]:
+        counts.append(gc.get_count())
+        with installed(layout):
+            yield
+
+    monkeypatch.setattr(sim_run, "layout_installed", counting)
+    trace = chat_trace(40, seed=5)
+    config = sim.SimSettings(
+        memory=384 << 20,
+        mamba_cache_mode="none",
+        max_num_seqs=8,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+    )
+    layouts = ("stock", "elastic")
+    result = sim.simulate("qwen3.5-0.8b", config, trace, layouts=layouts)
+    assert all(r.ok for r in result.layouts.values())
+    turns = counts[len(layouts) :]  # after one entry per engine built
+    assert len(turns) > 10
+    # A few objects made between the collection and the count, at most.
+    assert max(c[0] for c in turns) < 50, turns
+    assert all(c[1:] == (0, 0) for c in turns), turns
 
 
 @pytest.mark.parametrize("mode", ["none", "align"])
