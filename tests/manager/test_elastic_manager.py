@@ -285,3 +285,66 @@ def test_async_loads_without_the_reservation_can_wait_for_ever() -> None:
     assert honoured.load("a", 280, 70)
     assert not honoured.load("b", 150, 37)
     assert honoured.finish_in_order() == []
+
+
+class RecordingDriver(Driver):
+    """`Driver`, logging every call's block IDs per group, the IDs recorded for zeroing
+    after it, and each request's whole block table."""
+
+    def __init__(self, layout: str, num_slabs: int, ids_from_pool: bool) -> None:
+        super().__init__(layout, num_slabs)
+        coordinator: Any = self.mgr.coordinator
+        for manager, plain in zip(
+            coordinator.single_type_managers, coordinator._plain_growers, strict=True
+        ):
+            # As in an engine whose workers zero new attention blocks.
+            manager._record_new_block_ids = plain
+        if not ids_from_pool:
+            # Every manager through its own ``allocate_new_blocks`` (vLLM's method).
+            coordinator._id_growers = [False] * len(coordinator._id_growers)
+        self.log: list[Any] = []
+
+    def record(self, what: str, rid: str, new: Any) -> None:
+        self.log.append(
+            (
+                what,
+                rid,
+                None if new is None else new.get_block_ids(),
+                self.mgr.take_new_block_ids(),
+                self.mgr.get_block_ids(rid) if rid in self.running else None,
+            )
+        )
+
+    def admit(self, rid: str, tokens: list[int], max_tokens: int) -> bool:
+        admitted = super().admit(rid, tokens, max_tokens)
+        self.record("admit", rid, self.mgr.get_blocks(rid) if admitted else None)
+        return admitted
+
+    def decode(self, rid: str, token: int) -> bool:
+        req = self.running[rid]
+        new = self.mgr.allocate_slots(req, 1)
+        self.record("decode", rid, new)
+        if new is None:
+            self.refused += 1
+            return False
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(token)
+        return True
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_new_blocks_with_their_ids_as_vllms_managers_take_them(layout: str, seed: int) -> None:
+    """The coordinator takes a plain-growing manager's new blocks with their IDs from the
+    pool (`_take_new_blocks`): the same blocks, block tables, refusals and IDs recorded
+    for zeroing, call by call, as each manager's own ``allocate_new_blocks``."""
+    ours = RecordingDriver(layout, 7, ids_from_pool=True)
+    vllms = RecordingDriver(layout, 7, ids_from_pool=False)
+    assert any(ours.mgr.coordinator._id_growers)  # type: ignore[attr-defined]
+    phases = [(20, 20), (150, 6), (37, 20)]
+    run(ours, seed, phases)
+    run(vllms, seed, phases)
+    assert ours.log == vllms.log
+    assert ours.refused == vllms.refused > 0
+    assert any(e[3] for e in ours.log), "no IDs were recorded for zeroing"

@@ -239,6 +239,7 @@ def bad_calls(draw: Any) -> tuple[str, Any, Any]:
         st.sampled_from(
             [
                 "get_new_blocks",
+                "get_new_blocks_with_ids",
                 "free_blocks",
                 "touch",
                 "unpin_blocks",
@@ -258,18 +259,18 @@ def bad_calls(draw: Any) -> tuple[str, Any, Any]:
             ]
         )
     )
-    if kind == "get_new_blocks":
+    if kind in ("get_new_blocks", "get_new_blocks_with_ids"):
         n = draw(st.integers(-40, 40))
 
         def call(w: World) -> Any:
-            return w.a.get_new_blocks(n)
+            return getattr(w.a, kind)(n)
 
         def expect(w: World) -> Any:
             if 0 <= n <= w.a.get_num_free_blocks():
                 return None
             return refusal((ValueError, rf"pool-a\b.*{n}\b"))
 
-        return f"get_new_blocks({n})", call, expect
+        return f"{kind}({n})", call, expect
     if kind in (
         "free_blocks",
         "touch",

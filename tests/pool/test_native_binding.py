@@ -174,3 +174,24 @@ def test_huge_requests_are_refused_before_anything_is_reserved() -> None:
     with pytest.raises(IndexError):
         pool._cache_full_blocks([], [], 0, 2**62, HBS, 0)
     pool.check_invariants()
+
+
+def test_new_blocks_come_with_the_ints_their_handles_hold() -> None:
+    """``get_new_blocks_with_ids``: the blocks ``get_new_blocks`` would hand out (the same
+    order, one reference each) and, as a second list, each handle's own ``block_id``."""
+    ours, twin = BlockPool(16, True, HBS, label="ours"), BlockPool(16, True, HBS, label="twin")
+    held = ours.get_new_blocks(3)
+    twin.get_new_blocks(3)
+    ours.free_blocks(held[1:2])
+    twin.free_blocks([twin._block(2)])
+    blocks, ids = ours.get_new_blocks_with_ids(5)
+    expected = twin.get_new_blocks(5)
+    assert [b.block_id for b in blocks] == [b.block_id for b in expected] == ids
+    assert all(i is b.block_id for i, b in zip(ids, blocks, strict=True))
+    assert ours.ref_counts() == twin.ref_counts()
+    assert ours.get_new_blocks_with_ids(0) == ([], [])
+    before = rust_snapshot(ours)
+    with pytest.raises(ValueError, match="ours"):
+        ours.get_new_blocks_with_ids(ours.get_num_free_blocks() + 1)
+    assert rust_snapshot(ours) == before
+    ours.check_invariants()

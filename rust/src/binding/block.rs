@@ -278,11 +278,34 @@ impl HandleTable {
         num_blocks: usize,
         ids: &[BlockId],
     ) -> PyResult<Bound<'py, PyList>> {
+        Ok(self.lists(owner, num_blocks, ids, false)?.0)
+    }
+
+    /// The handles of `ids`, as a list, and (`with_ids`) the handles' own `block_id`
+    /// ints as another.
+    pub fn lists<'py>(
+        &mut self,
+        owner: &Bound<'py, NativeBlockPool>,
+        num_blocks: usize,
+        ids: &[BlockId],
+        with_ids: bool,
+    ) -> PyResult<(Bound<'py, PyList>, Option<Bound<'py, PyList>>)> {
+        let py = owner.py();
         let mut objs = Vec::with_capacity(ids.len());
+        let mut ints = Vec::with_capacity(if with_ids { ids.len() } else { 0 });
         for &id in ids {
-            objs.push(self.get(owner, num_blocks, id)?);
+            let handle = self.get(owner, num_blocks, id)?;
+            if with_ids {
+                ints.push(handle.get().block_id.clone_ref(py));
+            }
+            objs.push(handle);
         }
-        PyList::new(owner.py(), objs)
+        let ints = if with_ids {
+            Some(PyList::new(py, ints)?)
+        } else {
+            None
+        };
+        Ok((PyList::new(py, objs)?, ints))
     }
 
     /// Number of handles created so far.

@@ -47,7 +47,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.request import RequestStatus
 
-from hybrid_alloc._native import NativeRunningRequests
+from hybrid_alloc._native import NativeBlockPool, NativeRunningRequests
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from hybrid_alloc.integration.scheduler.quiet_step import (
@@ -104,6 +104,16 @@ def _grows_as_vllm_base(manager: Any) -> bool:
     base = SingleTypeKVCacheManager.allocate_new_blocks
     state = ("req_to_blocks", "_partial_hit_reqs", "_record_new_block_ids", "new_block_ids")
     return type(manager).allocate_new_blocks is base and all(hasattr(manager, n) for n in state)
+
+
+def _hands_out_ids(pool: Any) -> bool:
+    """Whether ``pool`` is this package's pool with its own ``get_new_blocks``, so that
+    ``get_new_blocks_with_ids`` takes the same blocks (a subclass that overrides the
+    former, as tests' recording pools do, is left to it)."""
+    return (
+        isinstance(pool, NativeBlockPool)
+        and type(pool).get_new_blocks is NativeBlockPool.get_new_blocks
+    )
 
 
 class RunningTableMixin:
@@ -257,6 +267,12 @@ class PerGroupPoolsMixin(RunningTableMixin):
         ]
         self._no_hits: tuple[tuple[()], ...] = tuple(() for _ in range(len(pool_set)))
         self._plain_growers = [_grows_as_vllm_base(m) for m in self.single_type_managers]
+        # Plain growers whose pool hands out the new blocks' IDs with them
+        # (`_take_new_blocks`): a pool class that overrides ``get_new_blocks`` keeps it.
+        self._id_growers = [
+            plain and _hands_out_ids(m.block_pool)
+            for plain, m in zip(self._plain_growers, self.single_type_managers, strict=True)
+        ]
         self._max_model_len = max_model_len
         # Elastic pools (see `_elastic_blocks_to_allocate`). The request `allocate_slots`
         # is serving (set by `allocate_slots_honouring_loads`; None outside it), and the
@@ -660,13 +676,62 @@ class PerGroupPoolsMixin(RunningTableMixin):
         self._reserve_step(request_id)
         super().allocate_new_computed_blocks(request_id, *args, **kwargs)  # type: ignore[misc]
 
-    def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's (last phase of a step's allocation); the step's reservation ends with it."""
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[Any], ...]:
+        """vLLM's (last phase of a step's allocation: each manager in order, encoder tokens
+        for cross-attention); the step's reservation ends with it. A manager that grows
+        with vLLM's base method takes its blocks through `_take_new_blocks`."""
         self._reserve_step(request_id)
         try:
-            return super().allocate_new_blocks(request_id, *args, **kwargs)  # type: ignore[misc]
+            cross = self._cross_attention
+            return tuple(
+                self._take_new_blocks(
+                    manager,
+                    request_id,
+                    num_encoder_tokens if cross[g] else num_tokens,
+                    num_tokens_main_model,
+                )
+                if ids
+                else manager.allocate_new_blocks(
+                    request_id,
+                    num_encoder_tokens if cross[g] else num_tokens,
+                    num_tokens_main_model,
+                )
+                for g, (manager, ids) in enumerate(
+                    zip(self.single_type_managers, self._id_growers, strict=True)
+                )
+            )
         finally:
             self._end_step()
+
+    @staticmethod
+    def _take_new_blocks(
+        manager: Any, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[Any]:
+        """vLLM's base ``allocate_new_blocks`` for ``manager`` (`_grows_as_vllm_base`;
+        a pending partial hit goes to it), with the IDs it records for zeroing handed
+        out by the pool with the blocks (`get_new_blocks_with_ids`, the ints the handles
+        hold). vLLM's generator over the new handles costs about 28 ns a block; a
+        prompt's pages on elastic pools made it a sixth of ``allocate_slots``
+        (Falcon-H1-7B 40 GiB, a 9,000-token prompt, 564 pages: 80 -> 68 us)."""
+        if request_id in manager._partial_hit_reqs:
+            return manager.allocate_new_blocks(  # type: ignore[no-any-return]
+                request_id, num_tokens, num_tokens_main_model
+            )
+        req_blocks = manager.req_to_blocks[request_id]
+        num_new = -(-num_tokens // manager.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        new, ids = manager.block_pool.get_new_blocks_with_ids(num_new)
+        req_blocks.extend(new)
+        if manager._record_new_block_ids:
+            manager.new_block_ids.extend(ids)
+        return new  # type: ignore[no-any-return]
 
     def reset_prefix_cache(self) -> bool:
         """All pools or none (vLLM resets pool by pool and may leave them disagreeing)."""
