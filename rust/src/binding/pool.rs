@@ -259,13 +259,8 @@ impl NativeBlockPool {
         }
     }
 
-    /// Carry out an operation notice by notice. The first stretch runs under the caller's
-    /// borrow `this` (without observers that is the whole operation); each notice is then
-    /// delivered to its Python callable with the pool released (callbacks may read it).
-    /// Returns the keys the operation removed. If a callback raises, the operation is
-    /// abandoned (see [`Steps::abandon`]), the keys removed so far are still emitted, and
-    /// the callback's exception is returned.
-    /// The blocks of `get_new_blocks`, and (`with_ids`) their IDs.
+    /// Take the blocks of `get_new_blocks` and their handles, and (`with_ids`) the list of
+    /// the handles' `block_id` ints.
     fn take_new_blocks<'py>(
         slf: &Bound<'py, Self>,
         num_blocks: &Bound<'py, PyAny>,
@@ -318,6 +313,12 @@ impl NativeBlockPool {
         Ok(lists)
     }
 
+    /// Carry out an operation notice by notice. The first stretch runs under the caller's
+    /// borrow `this` (without observers that is the whole operation); each notice is then
+    /// delivered to its Python callable with the pool released (callbacks may read it).
+    /// Returns the keys the operation removed. If a callback raises, the operation is
+    /// abandoned (see [`Steps::abandon`]), the keys removed so far are still emitted, and
+    /// the callback's exception is returned.
     fn drive(
         slf: &Bound<'_, Self>,
         mut this: PyRefMut<'_, Self>,
@@ -567,11 +568,7 @@ impl NativeBlockPool {
         num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
         let (blocks, ids) = Self::take_new_blocks(slf, num_blocks, true)?;
-        let ids = match ids {
-            Some(ids) => ids,
-            None => PyList::empty(slf.py()),
-        };
-        Ok((blocks, ids))
+        Ok((blocks, ids.unwrap_or_else(|| PyList::empty(slf.py()))))
     }
 
     /// Drop one reference to each block; blocks reaching zero become free (uncached ones
