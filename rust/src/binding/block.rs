@@ -278,34 +278,31 @@ impl HandleTable {
         num_blocks: usize,
         ids: &[BlockId],
     ) -> PyResult<Bound<'py, PyList>> {
-        Ok(self.lists(owner, num_blocks, ids, false)?.0)
+        self.list_recording_ids(owner, num_blocks, ids, None)
     }
 
-    /// The handles of `ids`, as a list, and (`with_ids`) the handles' own `block_id`
-    /// ints as another.
-    pub fn lists<'py>(
+    /// The handles of `ids`, as a list; with `ints`, each handle's own `block_id` int is
+    /// pushed there too, in the same pass.
+    pub fn list_recording_ids<'py>(
         &mut self,
         owner: &Bound<'py, NativeBlockPool>,
         num_blocks: usize,
         ids: &[BlockId],
-        with_ids: bool,
-    ) -> PyResult<(Bound<'py, PyList>, Option<Bound<'py, PyList>>)> {
+        mut ints: Option<&mut Vec<Py<PyInt>>>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let py = owner.py();
         let mut objs = Vec::with_capacity(ids.len());
-        let mut ints = Vec::with_capacity(if with_ids { ids.len() } else { 0 });
+        if let Some(ints) = ints.as_deref_mut() {
+            ints.reserve(ids.len());
+        }
         for &id in ids {
             let handle = self.get(owner, num_blocks, id)?;
-            if with_ids {
+            if let Some(ints) = ints.as_deref_mut() {
                 ints.push(handle.get().block_id.clone_ref(py));
             }
             objs.push(handle);
         }
-        let ints = if with_ids {
-            Some(PyList::new(py, ints)?)
-        } else {
-            None
-        };
-        Ok((PyList::new(py, objs)?, ints))
+        PyList::new(py, objs)
     }
 
     /// Number of handles created so far.

@@ -21,7 +21,7 @@ use crate::reuse::ReuseWatchers;
 use crate::routing::{self, BlockRef};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 /// The callables vLLM's metrics collector is told through, in the order of
@@ -259,13 +259,13 @@ impl NativeBlockPool {
         }
     }
 
-    /// Take the blocks of `get_new_blocks` and their handles, and (`with_ids`) the list of
-    /// the handles' `block_id` ints.
+    /// Take the blocks of `get_new_blocks` and their handles; with `ints`, the handles'
+    /// `block_id` ints are pushed there too.
     fn take_new_blocks<'py>(
         slf: &Bound<'py, Self>,
         num_blocks: &Bound<'py, PyAny>,
-        with_ids: bool,
-    ) -> PyResult<(Bound<'py, PyList>, Option<Bound<'py, PyList>>)> {
+        ints: Option<&mut Vec<Py<PyInt>>>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let num_blocks = saturating_int(num_blocks)?;
         let (link, observed) = {
             let this = slf.try_borrow()?;
@@ -301,16 +301,16 @@ impl NativeBlockPool {
         };
         let mut guard = slf.try_borrow_mut()?;
         let this = &mut *guard;
-        let lists = this
+        let list = this
             .handles
-            .lists(slf, this.core.num_blocks(), steps.ids(), with_ids);
+            .list_recording_ids(slf, this.core.num_blocks(), steps.ids(), ints);
         // The blocks are off the free queue: claim them even if the list failed, or a
         // watcher of a slab taken back for them raised.
         let driven = Self::drive(slf, guard, steps);
         told?;
-        let lists = lists?;
+        let list = list?;
         driven?;
-        Ok(lists)
+        Ok(list)
     }
 
     /// Carry out an operation notice by notice. The first stretch runs under the caller's
@@ -557,7 +557,7 @@ impl NativeBlockPool {
         slf: &Bound<'py, Self>,
         num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        Ok(Self::take_new_blocks(slf, num_blocks, false)?.0)
+        Self::take_new_blocks(slf, num_blocks, None)
     }
 
     /// `get_new_blocks`, and the new blocks' IDs as a second list (the ints the handles
@@ -567,8 +567,9 @@ impl NativeBlockPool {
         slf: &Bound<'py, Self>,
         num_blocks: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
-        let (blocks, ids) = Self::take_new_blocks(slf, num_blocks, true)?;
-        Ok((blocks, ids.unwrap_or_else(|| PyList::empty(slf.py()))))
+        let mut ids = Vec::new();
+        let blocks = Self::take_new_blocks(slf, num_blocks, Some(&mut ids))?;
+        Ok((blocks, PyList::new(slf.py(), ids)?))
     }
 
     /// Drop one reference to each block; blocks reaching zero become free (uncached ones

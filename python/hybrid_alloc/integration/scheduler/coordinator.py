@@ -549,8 +549,15 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
                     return None
             managers = self.single_type_managers
+            ids = self._id_growers
             blocks = tuple(
-                managers[g].allocate_new_blocks(request_id, slots, main) if n else []
+                (
+                    self._take_new_blocks(managers[g], request_id, slots, main)
+                    if ids[g]
+                    else managers[g].allocate_new_blocks(request_id, slots, main)
+                )
+                if n
+                else []
                 for g, n in enumerate(needs)
             )
         finally:
@@ -588,10 +595,7 @@ class PerGroupPoolsMixin(RunningTableMixin):
         managers = self.single_type_managers
         for g, new in enumerate(grown):
             if new:
-                manager = managers[g]
-                manager.req_to_blocks[request_id].extend(new)
-                if manager._record_new_block_ids:
-                    manager.new_block_ids.extend([b.block_id for b in new])
+                _append_new_blocks(managers[g], request_id, new, [b.block_id for b in new])
         table = self._running
         if table is not None:
             room = _room_length(request, num_new) if self._decode_room_tokens else 0
@@ -688,24 +692,14 @@ class PerGroupPoolsMixin(RunningTableMixin):
         with vLLM's base method takes its blocks through `_take_new_blocks`."""
         self._reserve_step(request_id)
         try:
-            cross = self._cross_attention
-            return tuple(
-                self._take_new_blocks(
-                    manager,
-                    request_id,
-                    num_encoder_tokens if cross[g] else num_tokens,
-                    num_tokens_main_model,
-                )
-                if ids
-                else manager.allocate_new_blocks(
-                    request_id,
-                    num_encoder_tokens if cross[g] else num_tokens,
-                    num_tokens_main_model,
-                )
-                for g, (manager, ids) in enumerate(
-                    zip(self.single_type_managers, self._id_growers, strict=True)
-                )
-            )
+            blocks: list[list[Any]] = []
+            for manager, ids, cross in zip(
+                self.single_type_managers, self._id_growers, self._cross_attention, strict=True
+            ):
+                tokens = num_encoder_tokens if cross else num_tokens
+                grow = self._take_new_blocks if ids else _manager_allocate_new_blocks
+                blocks.append(grow(manager, request_id, tokens, num_tokens_main_model))
+            return tuple(blocks)
         finally:
             self._end_step()
 
@@ -728,14 +722,29 @@ class PerGroupPoolsMixin(RunningTableMixin):
         if num_new <= 0:
             return []
         new, ids = manager.block_pool.get_new_blocks_with_ids(num_new)
-        req_blocks.extend(new)
-        if manager._record_new_block_ids:
-            manager.new_block_ids.extend(ids)
+        _append_new_blocks(manager, request_id, new, ids)
         return new  # type: ignore[no-any-return]
 
     def reset_prefix_cache(self) -> bool:
         """All pools or none (vLLM resets pool by pool and may leave them disagreeing)."""
         return self.pool_set.reset_prefix_cache()
+
+
+def _manager_allocate_new_blocks(
+    manager: Any, request_id: str, num_tokens: int, num_tokens_main_model: int
+) -> list[Any]:
+    """The manager's own ``allocate_new_blocks`` (`_take_new_blocks`'s signature)."""
+    return manager.allocate_new_blocks(  # type: ignore[no-any-return]
+        request_id, num_tokens, num_tokens_main_model
+    )
+
+
+def _append_new_blocks(manager: Any, request_id: str, new: list[Any], ids: list[int]) -> None:
+    """What vLLM's base ``allocate_new_blocks`` does with the blocks it took: extend the
+    request's table, and record their IDs for zeroing where the manager records them."""
+    manager.req_to_blocks[request_id].extend(new)
+    if manager._record_new_block_ids:
+        manager.new_block_ids.extend(ids)
 
 
 def _build_pool_set(
