@@ -22,6 +22,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from hybrid_alloc.integration.kv_cache_config import ElasticLayout, PerGroupKVCacheConfig
+from hybrid_alloc.integration.scheduler.coordinator import (
+    _manager_allocate_new_blocks,
+    _take_new_blocks,
+)
 from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from tests.helpers import (
     MAX_LEN,
@@ -301,7 +305,7 @@ class RecordingDriver(Driver):
             manager._record_new_block_ids = plain
         if not ids_from_pool:
             # Every manager through its own ``allocate_new_blocks`` (vLLM's method).
-            coordinator._id_growers = [False] * len(coordinator._id_growers)
+            coordinator._growers = [_manager_allocate_new_blocks] * len(coordinator._growers)
         self.log: list[Any] = []
 
     def record(self, what: str, rid: str, new: Any) -> None:
@@ -341,7 +345,8 @@ def test_new_blocks_with_their_ids_as_vllms_managers_take_them(layout: str, seed
     for zeroing, call by call, as each manager's own ``allocate_new_blocks``."""
     ours = RecordingDriver(layout, 7, ids_from_pool=True)
     vllms = RecordingDriver(layout, 7, ids_from_pool=False)
-    assert any(ours.mgr.coordinator._id_growers)  # type: ignore[attr-defined]
+    growers = ours.mgr.coordinator._growers  # type: ignore[attr-defined]
+    assert _take_new_blocks in growers
     phases = [(20, 20), (150, 6), (37, 20)]
     run(ours, seed, phases)
     run(vllms, seed, phases)

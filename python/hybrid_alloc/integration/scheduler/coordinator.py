@@ -27,7 +27,7 @@ else vLLM's coordinator unchanged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core import kv_cache_manager as _kv_cache_manager
@@ -63,6 +63,10 @@ logger = logging.getLogger("hybrid_alloc")
 # Whether coordinators built from now on answer quiet decode steps without vLLM's walk
 # (`quiet_step`); off only to compare the two paths.
 QUIET_STEPS = True
+
+# How a manager takes a step's new blocks: (manager, request ID, token slots, the main
+# model's tokens) -> the new blocks; a manager's ``allocate_new_blocks`` signature.
+NewBlocksTaker = Callable[[Any, str, int, int], list[Any]]
 
 
 def uncounted_loaded_blocks(
@@ -267,10 +271,13 @@ class PerGroupPoolsMixin(RunningTableMixin):
         ]
         self._no_hits: tuple[tuple[()], ...] = tuple(() for _ in range(len(pool_set)))
         self._plain_growers = [_grows_as_vllm_base(m) for m in self.single_type_managers]
-        # Plain growers whose pool hands out the new blocks' IDs with them
-        # (`_take_new_blocks`): a pool class that overrides ``get_new_blocks`` keeps it.
-        self._id_growers = [
-            plain and _hands_out_ids(m.block_pool)
+        # How each manager takes a step's new blocks: a plain grower whose pool hands out
+        # the new blocks' IDs with them takes them that way (`_take_new_blocks`); a pool
+        # class that overrides ``get_new_blocks`` keeps it, through the manager's method.
+        self._growers: list[NewBlocksTaker] = [
+            _take_new_blocks
+            if plain and _hands_out_ids(m.block_pool)
+            else _manager_allocate_new_blocks
             for plain, m in zip(self._plain_growers, self.single_type_managers, strict=True)
         ]
         self._max_model_len = max_model_len
@@ -549,15 +556,9 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 if any(n > free for n, free in zip(need, pool_set.free_counts(), strict=True)):
                     return None
             managers = self.single_type_managers
-            ids = self._id_growers
+            growers = self._growers
             blocks = tuple(
-                (
-                    self._take_new_blocks(managers[g], request_id, slots, main)
-                    if ids[g]
-                    else managers[g].allocate_new_blocks(request_id, slots, main)
-                )
-                if n
-                else []
+                growers[g](managers[g], request_id, slots, main) if n else []
                 for g, n in enumerate(needs)
             )
         finally:
@@ -595,7 +596,8 @@ class PerGroupPoolsMixin(RunningTableMixin):
         managers = self.single_type_managers
         for g, new in enumerate(grown):
             if new:
-                _append_new_blocks(managers[g], request_id, new, [b.block_id for b in new])
+                manager = managers[g]
+                _append_new_blocks(manager, manager.req_to_blocks[request_id], new, None)
         table = self._running
         if table is not None:
             room = _room_length(request, num_new) if self._decode_room_tokens else 0
@@ -693,37 +695,14 @@ class PerGroupPoolsMixin(RunningTableMixin):
         self._reserve_step(request_id)
         try:
             blocks: list[list[Any]] = []
-            for manager, ids, cross in zip(
-                self.single_type_managers, self._id_growers, self._cross_attention, strict=True
+            for manager, grow, cross in zip(
+                self.single_type_managers, self._growers, self._cross_attention, strict=True
             ):
                 tokens = num_encoder_tokens if cross else num_tokens
-                grow = self._take_new_blocks if ids else _manager_allocate_new_blocks
                 blocks.append(grow(manager, request_id, tokens, num_tokens_main_model))
             return tuple(blocks)
         finally:
             self._end_step()
-
-    @staticmethod
-    def _take_new_blocks(
-        manager: Any, request_id: str, num_tokens: int, num_tokens_main_model: int
-    ) -> list[Any]:
-        """vLLM's base ``allocate_new_blocks`` for ``manager`` (`_grows_as_vllm_base`;
-        a pending partial hit goes to it), with the IDs it records for zeroing handed
-        out by the pool with the blocks (`get_new_blocks_with_ids`, the ints the handles
-        hold). vLLM's generator over the new handles costs about 28 ns a block; a
-        prompt's pages on elastic pools made it a sixth of ``allocate_slots``
-        (Falcon-H1-7B 40 GiB, a 9,000-token prompt, 564 pages: 80 -> 68 us)."""
-        if request_id in manager._partial_hit_reqs:
-            return manager.allocate_new_blocks(  # type: ignore[no-any-return]
-                request_id, num_tokens, num_tokens_main_model
-            )
-        req_blocks = manager.req_to_blocks[request_id]
-        num_new = -(-num_tokens // manager.block_size) - len(req_blocks)
-        if num_new <= 0:
-            return []
-        new, ids = manager.block_pool.get_new_blocks_with_ids(num_new)
-        _append_new_blocks(manager, request_id, new, ids)
-        return new  # type: ignore[no-any-return]
 
     def reset_prefix_cache(self) -> bool:
         """All pools or none (vLLM resets pool by pool and may leave them disagreeing)."""
@@ -739,12 +718,38 @@ def _manager_allocate_new_blocks(
     )
 
 
-def _append_new_blocks(manager: Any, request_id: str, new: list[Any], ids: list[int]) -> None:
+def _take_new_blocks(
+    manager: Any, request_id: str, num_tokens: int, num_tokens_main_model: int
+) -> list[Any]:
+    """vLLM's base ``allocate_new_blocks`` for ``manager`` (`_grows_as_vllm_base`;
+    a pending partial hit goes to it), with the IDs it records for zeroing handed
+    out by the pool with the blocks (`get_new_blocks_with_ids`, the ints the handles
+    hold). vLLM's generator over the new handles costs about 28 ns a block; a
+    prompt's pages on elastic pools made it a sixth of ``allocate_slots``
+    (Falcon-H1-7B 40 GiB, a 9,000-token prompt, 564 pages: 80 -> 68 us)."""
+    if request_id in manager._partial_hit_reqs:
+        return manager.allocate_new_blocks(  # type: ignore[no-any-return]
+            request_id, num_tokens, num_tokens_main_model
+        )
+    req_blocks = manager.req_to_blocks[request_id]
+    num_new = -(-num_tokens // manager.block_size) - len(req_blocks)
+    if num_new <= 0:
+        return []
+    new, ids = manager.block_pool.get_new_blocks_with_ids(num_new)
+    _append_new_blocks(manager, req_blocks, new, ids)
+    return new  # type: ignore[no-any-return]
+
+
+def _append_new_blocks(
+    manager: Any, req_blocks: list[Any], new: list[Any], ids: list[int] | None
+) -> None:
     """What vLLM's base ``allocate_new_blocks`` does with the blocks it took: extend the
-    request's table, and record their IDs for zeroing where the manager records them."""
-    manager.req_to_blocks[request_id].extend(new)
+    request's table (``req_blocks``, the manager's ``req_to_blocks`` entry), and record
+    their IDs for zeroing where the manager records them (``ids``, or read from the
+    handles when the pool did not hand them out)."""
+    req_blocks.extend(new)
     if manager._record_new_block_ids:
-        manager.new_block_ids.extend(ids)
+        manager.new_block_ids.extend([b.block_id for b in new] if ids is None else ids)
 
 
 def _build_pool_set(
