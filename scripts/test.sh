@@ -37,7 +37,8 @@ ruff format --check python tests benches scripts examples
 # tests that start no engine, then the Rust mutants (the mutants'
 # named tests are among the first lane's, and any failure there fails this script too).
 # Each lane's output is printed when both are done.
-# Then the engine tests alone: each runs two engines side by side, one core each.
+# Then the engine tests alone: each runs two engines side by side, one core each (most in
+# one process each: tests/helpers.py run_engines).
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 (

