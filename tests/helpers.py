@@ -658,6 +658,9 @@ def run_engines(
         result = json.loads(out.read_text())
         if not allow_errors:
             assert_no_vllm_errors(name, result)
+        # the plugin names the backend it installed, in one process too (startup_log)
+        backends = {line["backend"] for line in result["plugin_log"]}
+        assert backends == {runs[name][0]}, f"{name}: plugin lines {result['plugin_log']}"
         result["log_text"] = text
         results[name] = result
     return results

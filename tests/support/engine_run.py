@@ -39,8 +39,8 @@ wave only once all of it has reached the engine core, so that batches, and with 
 greedy tokens, are the same in every run. ``--prompts FILE`` replaces the generated
 workload with given waves of token-ID prompts (the recompute replay of
 ``tests.helpers.check_recompute_replay``). ``--one-process`` keeps vLLM's engine core and
-its worker in the child itself (no engine-core pids then; the plugin's line is not
-printed there either: vLLM 0.32 configures its logging after the plugins ran).
+its worker in the child itself (no engine-core pids then; the plugin's line comes from
+the child, once vLLM has configured its logging there).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ vLLM runs general plugins once per process before it builds the KV-cache coordin
 the scheduler, including in the engine-core process that owns them. :func:`register`
 reads the two switches (:mod:`hybrid_alloc.settings`), checks that the installed vLLM is a
 release hybrid_alloc was tested against (:mod:`.versions`) and installs the Rust pool
-(:func:`hybrid_alloc.integration.install`).
+(:func:`hybrid_alloc.integration.install`). Its INFO lines wait for vLLM's logging
+configuration in a process that runs the plugin first (:mod:`.startup_log`).
 
 On a vLLM it was not tested against, nothing is patched: vLLM stays stock and one warning
 names the supported releases, unless ``HYBRID_ALLOC_BACKEND=rust`` was set explicitly, in
@@ -18,7 +19,7 @@ import logging
 import os
 
 from hybrid_alloc import integration
-from hybrid_alloc.integration import versions
+from hybrid_alloc.integration import startup_log, versions
 from hybrid_alloc.settings import (
     ENV_VAR,
     backend_is_explicit,
@@ -29,8 +30,8 @@ from hybrid_alloc.settings import (
 
 
 def _logger() -> logging.Logger:
-    # vLLM's own logger factory: it configures vLLM's logging, so the line is printed even
-    # in a process where the plugin runs before vLLM has logged anything.
+    # vLLM's own logger (its ``*_once`` methods). Lines logged before vLLM configures its
+    # logging in this process go through :mod:`.startup_log`, which holds them until then.
     try:
         from vllm.logger import init_logger
 
@@ -74,7 +75,9 @@ def register() -> None:
     if _active == backend:
         return
     _active = backend
-    logger.info(
+    startup_log.log(
+        logger,
+        logging.INFO,
         "hybrid_alloc: KV-cache block pool backend is '%s' (%s, pid %d, vLLM %s)%s",
         backend,
         ENV_VAR,
@@ -94,7 +97,9 @@ def _install_cpu_gdn_spec_fix() -> None:
         cpu_gdn_spec.uninstall()
         return
     if not cpu_gdn_spec.is_installed() and cpu_gdn_spec.install():
-        logger.info(
+        startup_log.log(
+            logger,
+            logging.INFO,
             "hybrid_alloc: vLLM %s CPU GDN speculative decoding: conv history of rows "
             "shorter than 1 + num_speculative_tokens corrected (%s=0 leaves vLLM's)",
             versions.installed_version(),
@@ -112,7 +117,9 @@ def _install_cpu_mamba2_align_fix() -> None:
         cpu_mamba2_align.uninstall()
         return
     if not cpu_mamba2_align.is_installed() and cpu_mamba2_align.install():
-        logger.info(
+        startup_log.log(
+            logger,
+            logging.INFO,
             "hybrid_alloc: vLLM %s CPU Mamba2 prefix caching: mid-prefill checkpoints "
             "('align' mode) saved by a chunked CPU scan (%s=0 leaves vLLM's)",
             versions.installed_version(),
