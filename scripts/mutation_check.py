@@ -245,10 +245,29 @@ MUTANTS = (
         "a decode step is answered as quiet while a block of the request leaves its "
         "sliding window (vLLM would free it there)",
         "rust/src/running.rs",
-        "            if last > entry.removed[g] || need > 0 {\n",
-        "            if (last > entry.removed[g] && offset == 0) || need > 0 {\n",
+        "            removes |= last > entry.removed[g];\n",
+        "            removes |= last > entry.removed[g] && offset == 0;\n",
         # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
         ("tests/manager/test_quiet_steps.py",),
+    ),
+    Mutant(
+        "removal-step-while-growing",
+        "a decode step that frees a window's blocks and takes blocks in another group is "
+        "answered as a removal step (its new blocks never allocated)",
+        "rust/src/running.rs",
+        "        (false, true) => StepPlan::VllmPath,\n",
+        "        (false, true) => StepPlan::Remove,\n",
+        ("cargo:running::tests::a_step_past_held_blocks",),
+    ),
+    Mutant(
+        "removal-step-frees-in-flight",
+        "a removal step gives vLLM's remove_skipped_blocks the computed tokens, in-flight "
+        "ones included (vLLM frees on the processed prefix only)",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
+        "            max(0, computed - request.num_in_flight_tokens),\n",
+        "            max(0, computed),\n",
+        # The differentials drive async in-flight tokens: block IDs or free counts differ.
+        ("tests/manager/test_quiet_steps.py", "tests/manager/test_quiet_steps_caching.py"),
     ),
     Mutant(
         "quiet-step-skips-caching",
@@ -265,8 +284,8 @@ MUTANTS = (
         "a Mamba 'align' decode step is answered as quiet while the state block of two "
         "steps ago is still to be freed (vLLM frees it there)",
         "rust/src/running.rs",
-        "                if stale.saturating_add(1) < processed.div_ceil(size) {\n",
-        "                if stale.saturating_add(1) < processed.div_ceil(size) && size == 0 {\n",
+        "                .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size));\n",
+        "                .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size) && size == 0);\n",
         # In vLLM's flow the retired blocks' rule fires on the same steps; the core's test
         # holds the guard to vLLM's own rule.
         ("cargo:running::tests::align_state",),

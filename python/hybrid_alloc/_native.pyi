@@ -2,7 +2,7 @@
 rust/src/binding/: block.rs, elastic.rs, pool.rs, running.rs, views.rs)."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol, final, overload
+from typing import Any, Literal, Protocol, final, overload
 
 __version__: str
 
@@ -265,7 +265,7 @@ class NativeRunningRequests:
         num_prompt_tokens: int,
         num_tokens: int,
         max_model_len: int,
-    ) -> tuple[int, ...] | None: ...
+    ) -> tuple[int, ...] | Literal[True] | None: ...
     def forget(self, request_id: str) -> None: ...
     def cache_evicted(self) -> None: ...
     def room_asks(self, except_request: str) -> list[tuple[int, int]]: ...

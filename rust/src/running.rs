@@ -6,7 +6,8 @@
 //! * [`RunningRequests::decode_step`] (and [`RunningRequests::plan_step`] under it): what
 //!   `allocate_slots` for a running request's step would do ([`StepPlan`]): nothing (then
 //!   vLLM's answer is the empty `KVCacheBlocks`, and the call can return at once), only
-//!   take blocks in full-attention groups (then the caller allocates just those), or
+//!   take blocks in full-attention groups (then the caller allocates just those), only
+//!   free blocks in `remove_skipped_blocks` (then the caller runs just that), or
 //!   anything else (vLLM's rules run);
 //! * [`RunningRequests::room_asks`]: how many pages, per pool, do the running requests lack
 //!   for `room_tokens` more tokens each? (what an admission must leave them).
@@ -31,8 +32,22 @@ pub enum StepPlan {
     /// Only groups that never skip tokens (full attention) take blocks, this many per
     /// group (0 elsewhere); nothing is freed or cached.
     Grow(Vec<u64>),
+    /// Only `remove_skipped_blocks` has work (a window's blocks, or Mamba 'align'
+    /// states the running state has passed, are freed); nothing is allocated, cached or
+    /// checkpointed, so vLLM's other phases of the step find nothing to do.
+    Remove,
     /// Anything else (or a request the table does not hold): run vLLM's rules.
     VllmPath,
+}
+
+/// What one group's part of a decode step does (see [`StepPlan`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupStep {
+    Quiet,
+    /// Only `remove_skipped_blocks` frees blocks of the group.
+    Remove,
+    /// Anything else: vLLM's rules.
+    Busy,
 }
 
 /// One KV-cache group's rules, as vLLM's single-type manager applies them.
@@ -260,18 +275,25 @@ fn plan_entry(
         return StepPlan::VllmPath;
     }
     let mut needs = Vec::new();
+    let mut removes = false;
     for (g, rule) in rules.iter().enumerate() {
         let Some(held) = entry.held[g] else {
             return StepPlan::VllmPath;
         };
         if rule.caching != Caching::Off {
-            // Nothing allocated, freed, cached or checkpointed in a caching group; any
-            // of those takes vLLM's path.
-            match (cacheable, step) {
-                (Some(c), Some(step)) if caching_step_is_quiet(rule, c, entry, g, held, step) => {
-                    continue
+            // Nothing allocated, cached or checkpointed in a caching group, and at most
+            // blocks freed by `remove_skipped_blocks`; anything else takes vLLM's path.
+            let part = match (cacheable, step) {
+                (Some(c), Some(step)) => caching_group_step(rule, c, entry, g, held, step),
+                _ => GroupStep::Busy,
+            };
+            match part {
+                GroupStep::Quiet => continue,
+                GroupStep::Remove => {
+                    removes = true;
+                    continue;
                 }
-                _ => return StepPlan::VllmPath,
+                GroupStep::Busy => return StepPlan::VllmPath,
             }
         }
         // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
@@ -283,10 +305,12 @@ fn plan_entry(
             // `remove_skipped_blocks` frees back from its last skipped block and
             // stops at a freed one: nothing to do if that block is freed already.
             let last = (processed.saturating_sub(offset) / rule.block_size).min(held);
-            if last > entry.removed[g] || need > 0 {
-                // A window moves, or a windowed group grows: vLLM's rules.
+            if need > 0 {
+                // A windowed group grows: vLLM's rules.
                 return StepPlan::VllmPath;
             }
+            // The window moves: `remove_skipped_blocks` frees its blocks.
+            removes |= last > entry.removed[g];
         }
         if need > 0 {
             if cacheable.is_some() {
@@ -299,37 +323,48 @@ fn plan_entry(
             needs[g] = need;
         }
     }
-    if needs.is_empty() {
-        StepPlan::Quiet
-    } else {
-        StepPlan::Grow(needs)
+    match (needs.is_empty(), removes) {
+        (true, false) => StepPlan::Quiet,
+        (true, true) => StepPlan::Remove,
+        (false, false) => StepPlan::Grow(needs),
+        // Growth and removal in one step: vLLM's rules.
+        (false, true) => StepPlan::VllmPath,
     }
 }
 
-/// Whether vLLM's `allocate_slots` for a decode `step` leaves caching group `g` (which
-/// holds `held` blocks) exactly as it is: its `remove_skipped_blocks`,
+/// What vLLM's `allocate_slots` for a decode `step` does to caching group `g` (which
+/// holds `held` blocks): [`GroupStep::Quiet`] where its `remove_skipped_blocks`,
 /// `get_num_blocks_to_allocate`, `allocate_new_blocks` and `cache_blocks` each find
-/// nothing to do. Only decode steps (the prompt computed) of settled requests qualify.
-fn caching_step_is_quiet(
+/// nothing to do; [`GroupStep::Remove`] where only `remove_skipped_blocks` frees blocks
+/// (Mamba 'align' states the running state has passed); else [`GroupStep::Busy`]. Only
+/// decode steps (the prompt computed) of settled requests qualify.
+fn caching_group_step(
     rule: &GroupRule,
     cacheable: &Cacheable,
     entry: &Entry,
     g: usize,
     held: u64,
     step: &DecodeStep,
-) -> bool {
+) -> GroupStep {
     let computed = step.computed.min(step.max_model_len);
     if !entry.settled || computed == 0 || step.computed < step.prompt_tokens {
-        return false;
+        return GroupStep::Busy;
     }
     let size = rule.block_size;
     let cached_tokens = cacheable.tokens(rule, step.cache_tokens());
     // `cache_blocks` returns at once while no new block is full.
     if cached_tokens / size > entry.cached[g] {
-        return false;
+        return GroupStep::Busy;
     }
+    let quiet_if = |quiet: bool| {
+        if quiet {
+            GroupStep::Quiet
+        } else {
+            GroupStep::Busy
+        }
+    };
     match rule.caching {
-        Caching::Off => true,
+        Caching::Off => GroupStep::Quiet,
         Caching::Full => {
             let boundary = cacheable.partial_boundary(rule, step.prompt_tokens);
             // No partial entry, or one registered already (re-registering the same key
@@ -338,33 +373,37 @@ fn caching_step_is_quiet(
                 || entry.partial_done[g]
                 || boundary > cached_tokens
                 || boundary / size >= held;
-            step.slots().div_ceil(size) <= held && partial_quiet
+            quiet_if(step.slots().div_ceil(size) <= held && partial_quiet)
         }
         Caching::MambaAlign { speculative_blocks } => {
             let main = step.main();
             // 'align' blocks count the step's own tokens, not lookahead slots.
             if main.div_ceil(size).saturating_add(speculative_blocks) > held {
-                return false;
+                return GroupStep::Busy;
             }
             // A checkpoint column past the initial state's: vLLM may reserve one.
             if main.div_ceil(size) >= (computed - 1) / size + 3 {
-                return false;
-            }
-            let processed = step.processed();
-            if processed >= 2 && ((processed - 1) / size).min(held) > entry.removed[g] {
-                return false;
-            }
-            // The state of two steps ago is freed once the state passes it.
-            if let Some(stale) = entry.stale_state[g] {
-                if stale.saturating_add(1) < processed.div_ceil(size) {
-                    return false;
-                }
+                return GroupStep::Busy;
             }
             // A state at the prompt's last hash boundary is registered (a partial
             // entry).
-            cached_tokens == 0
-                || cached_tokens != entry.state_boundary[g]
-                || cached_tokens % cacheable.hash_block_size.max(1) != 0
+            if cached_tokens != 0
+                && cached_tokens == entry.state_boundary[g]
+                && cached_tokens % cacheable.hash_block_size.max(1) == 0
+            {
+                return GroupStep::Busy;
+            }
+            let processed = step.processed();
+            // Blocks before the running state's retire (vLLM's window for 'align').
+            let retires = processed >= 2 && ((processed - 1) / size).min(held) > entry.removed[g];
+            // The state of two steps ago is freed once the state passes it.
+            let stale_freed = entry.stale_state[g]
+                .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size));
+            if retires || stale_freed {
+                GroupStep::Remove
+            } else {
+                GroupStep::Quiet
+            }
         }
     }
 }
@@ -898,10 +937,16 @@ mod tests {
         assert_eq!(t.plan_step("a", 50, 49), StepPlan::Grow(vec![2, 0, 1]));
         // The state group would need a second block: vLLM's rules.
         assert_eq!(t.plan_step("a", 4097, 4096), StepPlan::VllmPath);
-        // Its window moves (processed 4097: one state block skipped): vLLM's rules.
+        // Its window moves (processed 4097: one state block skipped): only removal.
         t.sync("a", &[Some(300), Some(1), Some(200)], false, 0, None)
             .unwrap();
+        assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::Remove);
+        // The window moves while the full-attention groups grow: vLLM's rules.
+        t.sync("a", &[Some(250), Some(1), Some(100)], false, 0, None)
+            .unwrap();
         assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::VllmPath);
+        t.sync("a", &[Some(300), Some(1), Some(200)], false, 0, None)
+            .unwrap();
         t.note_removed("a", 4097, &[Some(300), Some(1), Some(200)])
             .unwrap();
         assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::Quiet);
@@ -1038,13 +1083,18 @@ mod tests {
             .unwrap();
         assert_eq!(
             t.decode_step("a", &decode(150, 100)),
-            StepPlan::VllmPath,
-            "the stale state is freed, and block 1 retired"
+            StepPlan::Remove,
+            "the stale state is freed, and block 1 retired: only removal"
         );
         // Block 1 below the retired ones but not freed (vLLM frees the state of two steps
         // ago by its index, whatever the retired count says).
         t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, Some(1), 151)))
             .unwrap();
+        assert_eq!(t.decode_step("a", &decode(150, 100)), StepPlan::Remove);
+        // A removal in a step that also takes a block: vLLM's rules.
+        assert_eq!(t.decode_step("a", &decode(192, 100)), StepPlan::VllmPath);
+        // Not settled (the managers' facts unknown since a removal): vLLM's rules.
+        t.note_removed("a", 150, &[Some(3)]).unwrap();
         assert_eq!(t.decode_step("a", &decode(150, 100)), StepPlan::VllmPath);
         t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, None, 151)))
             .unwrap();

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from vllm.v1.request import Request, RequestStatus
 
@@ -22,15 +22,19 @@ class Counted:
         self.check = check
         self.quiet = 0
         self.grown = 0
+        self.removed = 0
         self.not_quiet = 0
 
-    def decode_step(self, request_id: str, *counts: int) -> tuple[int, ...] | None:
+    def decode_step(self, request_id: str, *counts: int) -> tuple[int, ...] | Literal[True] | None:
         answer = self.check.decode_step(request_id, *counts)
         if answer == ():
             self.quiet += 1
         else:
             self.not_quiet += 1
-            self.grown += answer is not None
+            if answer is True:
+                self.removed += 1
+            else:
+                self.grown += answer is not None
         return answer
 
 

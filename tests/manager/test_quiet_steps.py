@@ -1,6 +1,7 @@
 """Decode steps from the running-requests table (`integration.quiet_step`): a running
 request's ``allocate_slots`` that would change nothing returns at once on per-group pools,
-and one that only takes full-attention pages allocates just those. Differential: two of
+one that only takes full-attention pages allocates just those, and one that only frees a
+window's blocks runs just vLLM's ``remove_skipped_blocks``. Differential: two of
 vLLM's own `KVCacheManager` over per-group pools, one built with the table's steps off
 (vLLM's whole ``allocate_slots`` on every call), one with them on, driven with the same
 scheduler-like steps (admissions in chunks, decode steps with drafts and lookahead slots,
@@ -123,10 +124,13 @@ def test_quiet_steps_change_nothing(layout: str, elastic: bool) -> None:
     # Every path ran: quiet steps, steps that take or free a block (vLLM's path), and
     # decode steps that only take full attention blocks (`_grow_decode_step`; with a
     # sliding window of the same block size, the window's group grows on the same steps,
-    # so those take vLLM's path).
+    # so those take vLLM's path) or only free a window's blocks (`_removal_step`).
     assert min(counted.quiet, counted.not_quiet) > 50, (counted.quiet, counted.not_quiet)
     if "swa" not in layout:
         assert counted.grown > 20, counted.grown
+    else:
+        # Steps where only the window moves run vLLM's `remove_skipped_blocks` alone.
+        assert counted.removed > 20, counted.removed
     assert twins.preempted > 0
 
 

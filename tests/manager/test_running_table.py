@@ -144,7 +144,8 @@ def test_caching_steps_are_quiet_only_with_the_managers_facts() -> None:
     t.sync("a", [3, 3], False, 0, facts(settled=False))
     assert caching_step(t, 150) is None, "a checkpoint pending: vLLM's path"
     t.sync("a", [3, 3], False, 0, facts(stale=[None, 1]))
-    assert caching_step(t, 150) is None, "the state of two steps ago is freed there"
+    assert caching_step(t, 150) is True, "only the state of two steps ago is freed there"
+    assert caching_step(t, 191) is None, "freed while block 2 fills: vLLM's path"
     t.sync("a", [2, 3], False, 0, facts())
     assert caching_step(t, 150) is None, "tables that cache never answer growth"
 

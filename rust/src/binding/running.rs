@@ -10,7 +10,7 @@ use crate::running::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyBool, PyTuple};
 
 #[pyclass(module = "hybrid_alloc._native", name = "NativeRunningRequests")]
 pub struct NativeRunningRequests {
@@ -236,8 +236,10 @@ impl NativeRunningRequests {
 
     /// A running request's decode step, from the request's own counts (the scheduler's
     /// hot path: one call, the arithmetic here): `None` where vLLM's rules must run,
-    /// `()` for a quiet step (its room recounted), else the blocks each group takes
-    /// (only groups without a window take any; tell `sync` once they are allocated).
+    /// `()` for a quiet step (its room recounted), `True` where only vLLM's
+    /// `remove_skipped_blocks` has work (call it, then `sync`), else the blocks each group
+    /// takes (only groups without a window take any; tell `sync` once they are
+    /// allocated).
     #[allow(clippy::too_many_arguments)]
     fn decode_step<'py>(
         &mut self,
@@ -250,7 +252,7 @@ impl NativeRunningRequests {
         num_prompt_tokens: i64,
         num_tokens: i64,
         max_model_len: i64,
-    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let counts = [
             ("num_computed_tokens", num_computed_tokens),
             ("num_new_tokens", num_new_tokens),
@@ -282,8 +284,9 @@ impl NativeRunningRequests {
         };
         Ok(match self.table.decode_step(request_id, &step) {
             StepPlan::VllmPath => None,
-            StepPlan::Quiet => Some(PyTuple::empty(py)),
-            StepPlan::Grow(needs) => Some(PyTuple::new(py, needs)?),
+            StepPlan::Quiet => Some(PyTuple::empty(py).into_any()),
+            StepPlan::Grow(needs) => Some(PyTuple::new(py, needs)?.into_any()),
+            StepPlan::Remove => Some(PyBool::new(py, true).to_owned().into_any()),
         })
     }
 

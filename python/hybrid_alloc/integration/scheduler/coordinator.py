@@ -129,6 +129,8 @@ class RunningTableMixin:
     before vLLM's class."""
 
     single_type_managers: tuple[Any, ...]
+    _decode_room_tokens = 0
+    """Each running request's decode room (elastic pools set it; 0: none kept)."""
     _per_group_pools = False
     """Whether this is a per-group coordinator (`PerGroupPoolsMixin`): read on the hot
     path instead of an isinstance test; only these take a decode step's full-attention
@@ -188,6 +190,27 @@ class RunningTableMixin:
                 max(0, processed_computed_tokens),
                 blocks_held(self.single_type_managers, request_id),
             )
+
+    def _removal_step(self, kv_manager: Any, request: Any, num_new: int) -> Any:
+        """vLLM's ``allocate_slots`` for a running request's decode step in which, by the
+        running-requests table, only ``remove_skipped_blocks`` has work (a window's
+        blocks, or Mamba 'align' states the running state has passed, are freed): that
+        call with vLLM's arguments, then the table told as after vLLM's whole path (the
+        same room length and cached tokens). What the rest of vLLM's call would walk
+        finds nothing to do: no group needs a block (so the admission check passes), no
+        checkpoint opens, and no block fills, so ``cache_blocks`` caches nothing. The
+        answer is vLLM's for a step that allocates nothing, the empty blocks."""
+        max_len = kv_manager.max_model_len
+        computed = min(request.num_computed_tokens, max_len)
+        self.remove_skipped_blocks(
+            request.request_id,
+            max(0, computed - request.num_in_flight_tokens),
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        caches = min(computed + num_new, request.num_tokens) if self._caching_table else 0
+        length = _room_length(request, num_new) if self._decode_room_tokens else 0
+        self._sync_running(request, length, caches)
+        return self.quiet_step_blocks
 
     def _cache_evicted(self) -> None:
         """Cached blocks were evicted (vLLM's ``evict_blocks``): the table's caching
@@ -984,7 +1007,7 @@ def allocate_slots_honouring_loads(
         # the table computes vLLM's `num_tokens_need_slot` and the processed prefix
         # `remove_skipped_blocks` is given from the request's counts, as
         # `allocate_slots` does, and the length its room is counted from.
-        needs = quiet.decode_step(
+        plan = quiet.decode_step(
             request.request_id,
             request.num_computed_tokens,
             num_new_tokens,
@@ -994,8 +1017,10 @@ def allocate_slots_honouring_loads(
             request.num_tokens,
             self.max_model_len,
         )
-        if needs is not None:
-            if not needs:
+        if plan is not None:
+            # `()`: quiet; `True`: only `remove_skipped_blocks` frees blocks; else the
+            # blocks each group takes.
+            if not plan or plan is True:
                 if coordinator._per_group_pools:
                     if TYPE_CHECKING:  # the flag is the test, at no isinstance cost
                         assert isinstance(coordinator, PerGroupPoolsMixin)
@@ -1003,13 +1028,15 @@ def allocate_slots_honouring_loads(
                         # As after any `allocate_slots` (below): the queries were for
                         # this step.
                         coordinator._reservation_queries.clear()
+                if plan is True:
+                    return coordinator._removal_step(self, request, num_new_tokens)
                 return coordinator.quiet_step_blocks
             if coordinator._per_group_pools:
                 if TYPE_CHECKING:
                     assert isinstance(coordinator, PerGroupPoolsMixin)
                 # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(
-                    self, request, num_new_tokens, num_lookahead_tokens, needs
+                    self, request, num_new_tokens, num_lookahead_tokens, plan
                 )
     # vLLM's arguments after the request, by position.
     positional = (
