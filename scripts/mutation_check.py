@@ -270,12 +270,22 @@ MUTANTS = (
         ("tests/manager/test_quiet_steps.py", "tests/manager/test_quiet_steps_caching.py"),
     ),
     Mutant(
+        "phases-step-skips-cache",
+        "a decode step that takes no block but fills one skips vLLM's cache_blocks "
+        "(vLLM would cache the full block there)",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
+        "        if phases & STEP_CACHE_BLOCKS:\n",
+        "        if phases & 0:\n",
+        # test_caching_quiet_steps_change_nothing: the prefix caches differ.
+        ("tests/manager/test_quiet_steps_caching.py",),
+    ),
+    Mutant(
         "quiet-step-skips-caching",
         "a decode step whose tokens fill a block is answered as quiet with prefix caching "
         "on (vLLM would cache the full block there)",
         "rust/src/running.rs",
-        "    if cached_tokens / size > entry.cached[g] {\n",
-        "    if cached_tokens / size > entry.cached[g] + 1 {\n",
+        "    let fills = cached_tokens / size > entry.cached[g];\n",
+        "    let fills = cached_tokens / size > entry.cached[g] + 1;\n",
         # test_caching_quiet_steps_change_nothing: the prefix caches differ.
         ("tests/manager/test_quiet_steps_caching.py",),
     ),
@@ -284,8 +294,8 @@ MUTANTS = (
         "a Mamba 'align' decode step is answered as quiet while the state block of two "
         "steps ago is still to be freed (vLLM frees it there)",
         "rust/src/running.rs",
-        "                .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size));\n",
-        "                .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size) && size == 0);\n",
+        "stale.saturating_add(1) < processed.div_ceil(size));\n",
+        "stale.saturating_add(1) < processed.div_ceil(size) && size == 0);\n",
         # In vLLM's flow the retired blocks' rule fires on the same steps; the core's test
         # holds the guard to vLLM's own rule.
         ("cargo:running::tests::align_state",),

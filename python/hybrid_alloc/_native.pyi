@@ -2,9 +2,13 @@
 rust/src/binding/: block.rs, elastic.rs, pool.rs, running.rs, views.rs)."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, Protocol, final, overload
+from typing import Any, Protocol, final, overload
 
 __version__: str
+STEP_REMOVE_SKIPPED: int
+"""`NativeRunningRequests.decode_step`'s bit: vLLM's ``remove_skipped_blocks`` has work."""
+STEP_CACHE_BLOCKS: int
+"""`NativeRunningRequests.decode_step`'s bit: vLLM's ``cache_blocks`` has work."""
 
 class BlockHashes(Protocol):
     """What the caching calls read a request's block hashes from: a list of them, or
@@ -265,7 +269,7 @@ class NativeRunningRequests:
         num_prompt_tokens: int,
         num_tokens: int,
         max_model_len: int,
-    ) -> tuple[int, ...] | Literal[True] | None: ...
+    ) -> tuple[int, ...] | int | None: ...
     def forget(self, request_id: str) -> None: ...
     def cache_evicted(self) -> None: ...
     def room_asks(self, except_request: str) -> list[tuple[int, int]]: ...

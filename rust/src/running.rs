@@ -32,22 +32,33 @@ pub enum StepPlan {
     /// Only groups that never skip tokens (full attention) take blocks, this many per
     /// group (0 elsewhere); nothing is freed or cached.
     Grow(Vec<u64>),
-    /// Only `remove_skipped_blocks` has work (a window's blocks, or Mamba 'align'
-    /// states the running state has passed, are freed); nothing is allocated, cached or
-    /// checkpointed, so vLLM's other phases of the step find nothing to do.
-    Remove,
+    /// No group takes a block and no checkpoint opens, so `get_num_blocks_to_allocate`
+    /// and `allocate_new_blocks` find nothing to do; only these phases of vLLM's call
+    /// have work (at least one of them).
+    Only(Phases),
     /// Anything else (or a request the table does not hold): run vLLM's rules.
     VllmPath,
 }
 
-/// What one group's part of a decode step does (see [`StepPlan`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum GroupStep {
-    Quiet,
-    /// Only `remove_skipped_blocks` frees blocks of the group.
-    Remove,
-    /// Anything else: vLLM's rules.
-    Busy,
+/// The phases of vLLM's `allocate_slots` a decode step that takes no block runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Phases {
+    /// `remove_skipped_blocks` frees blocks: a window's, or Mamba 'align' states the
+    /// running state has passed.
+    pub remove_skipped: bool,
+    /// `cache_blocks` caches a block the step fills.
+    pub cache: bool,
+}
+
+impl Phases {
+    fn add(&mut self, other: Phases) {
+        self.remove_skipped |= other.remove_skipped;
+        self.cache |= other.cache;
+    }
+
+    fn any(self) -> bool {
+        self.remove_skipped || self.cache
+    }
 }
 
 /// One KV-cache group's rules, as vLLM's single-type manager applies them.
@@ -275,25 +286,25 @@ fn plan_entry(
         return StepPlan::VllmPath;
     }
     let mut needs = Vec::new();
-    let mut removes = false;
+    let mut phases = Phases::default();
     for (g, rule) in rules.iter().enumerate() {
         let Some(held) = entry.held[g] else {
             return StepPlan::VllmPath;
         };
         if rule.caching != Caching::Off {
-            // Nothing allocated, cached or checkpointed in a caching group, and at most
-            // blocks freed by `remove_skipped_blocks`; anything else takes vLLM's path.
+            // Nothing allocated or checkpointed in a caching group, at most blocks freed
+            // by `remove_skipped_blocks` and a filled block cached; anything else takes
+            // vLLM's path.
             let part = match (cacheable, step) {
                 (Some(c), Some(step)) => caching_group_step(rule, c, entry, g, held, step),
-                _ => GroupStep::Busy,
+                _ => None,
             };
             match part {
-                GroupStep::Quiet => continue,
-                GroupStep::Remove => {
-                    removes = true;
+                Some(part) => {
+                    phases.add(part);
                     continue;
                 }
-                GroupStep::Busy => return StepPlan::VllmPath,
+                None => return StepPlan::VllmPath,
             }
         }
         // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
@@ -310,7 +321,7 @@ fn plan_entry(
                 return StepPlan::VllmPath;
             }
             // The window moves: `remove_skipped_blocks` frees its blocks.
-            removes |= last > entry.removed[g];
+            phases.remove_skipped |= last > entry.removed[g];
         }
         if need > 0 {
             if cacheable.is_some() {
@@ -323,9 +334,9 @@ fn plan_entry(
             needs[g] = need;
         }
     }
-    match (needs.is_empty(), removes) {
+    match (needs.is_empty(), phases.any()) {
         (true, false) => StepPlan::Quiet,
-        (true, true) => StepPlan::Remove,
+        (true, true) => StepPlan::Only(phases),
         (false, false) => StepPlan::Grow(needs),
         // Growth and removal in one step: vLLM's rules.
         (false, true) => StepPlan::VllmPath,
@@ -333,11 +344,10 @@ fn plan_entry(
 }
 
 /// What vLLM's `allocate_slots` for a decode `step` does to caching group `g` (which
-/// holds `held` blocks): [`GroupStep::Quiet`] where its `remove_skipped_blocks`,
-/// `get_num_blocks_to_allocate`, `allocate_new_blocks` and `cache_blocks` each find
-/// nothing to do; [`GroupStep::Remove`] where only `remove_skipped_blocks` frees blocks
-/// (Mamba 'align' states the running state has passed); else [`GroupStep::Busy`]. Only
-/// decode steps (the prompt computed) of settled requests qualify.
+/// holds `held` blocks), where `get_num_blocks_to_allocate` and `allocate_new_blocks`
+/// find nothing to do there: the phases that have work (none: the group is quiet).
+/// `None` where anything else happens (a block or checkpoint taken, a partial entry
+/// registered). Only decode steps (the prompt computed) of settled requests qualify.
 fn caching_group_step(
     rule: &GroupRule,
     cacheable: &Cacheable,
@@ -345,26 +355,21 @@ fn caching_group_step(
     g: usize,
     held: u64,
     step: &DecodeStep,
-) -> GroupStep {
+) -> Option<Phases> {
     let computed = step.computed.min(step.max_model_len);
     if !entry.settled || computed == 0 || step.computed < step.prompt_tokens {
-        return GroupStep::Busy;
+        return None;
     }
     let size = rule.block_size;
     let cached_tokens = cacheable.tokens(rule, step.cache_tokens());
     // `cache_blocks` returns at once while no new block is full.
-    if cached_tokens / size > entry.cached[g] {
-        return GroupStep::Busy;
-    }
-    let quiet_if = |quiet: bool| {
-        if quiet {
-            GroupStep::Quiet
-        } else {
-            GroupStep::Busy
-        }
+    let fills = cached_tokens / size > entry.cached[g];
+    let cache_only = Phases {
+        remove_skipped: false,
+        cache: fills,
     };
     match rule.caching {
-        Caching::Off => GroupStep::Quiet,
+        Caching::Off => Some(Phases::default()),
         Caching::Full => {
             let boundary = cacheable.partial_boundary(rule, step.prompt_tokens);
             // No partial entry, or one registered already (re-registering the same key
@@ -373,17 +378,17 @@ fn caching_group_step(
                 || entry.partial_done[g]
                 || boundary > cached_tokens
                 || boundary / size >= held;
-            quiet_if(step.slots().div_ceil(size) <= held && partial_quiet)
+            (step.slots().div_ceil(size) <= held && partial_quiet).then_some(cache_only)
         }
         Caching::MambaAlign { speculative_blocks } => {
             let main = step.main();
             // 'align' blocks count the step's own tokens, not lookahead slots.
             if main.div_ceil(size).saturating_add(speculative_blocks) > held {
-                return GroupStep::Busy;
+                return None;
             }
             // A checkpoint column past the initial state's: vLLM may reserve one.
             if main.div_ceil(size) >= (computed - 1) / size + 3 {
-                return GroupStep::Busy;
+                return None;
             }
             // A state at the prompt's last hash boundary is registered (a partial
             // entry).
@@ -391,7 +396,7 @@ fn caching_group_step(
                 && cached_tokens == entry.state_boundary[g]
                 && cached_tokens % cacheable.hash_block_size.max(1) == 0
             {
-                return GroupStep::Busy;
+                return None;
             }
             let processed = step.processed();
             // Blocks before the running state's retire (vLLM's window for 'align').
@@ -399,11 +404,10 @@ fn caching_group_step(
             // The state of two steps ago is freed once the state passes it.
             let stale_freed = entry.stale_state[g]
                 .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size));
-            if retires || stale_freed {
-                GroupStep::Remove
-            } else {
-                GroupStep::Quiet
-            }
+            Some(Phases {
+                remove_skipped: retires || stale_freed,
+                cache: fills,
+            })
         }
     }
 }
@@ -764,6 +768,15 @@ impl RunningRequests {
 mod tests {
     use super::*;
 
+    const REMOVE: Phases = Phases {
+        remove_skipped: true,
+        cache: false,
+    };
+    const CACHE: Phases = Phases {
+        remove_skipped: false,
+        cache: true,
+    };
+
     fn full(size: u64, pool: usize) -> GroupRule {
         GroupRule {
             block_size: size,
@@ -940,7 +953,7 @@ mod tests {
         // Its window moves (processed 4097: one state block skipped): only removal.
         t.sync("a", &[Some(300), Some(1), Some(200)], false, 0, None)
             .unwrap();
-        assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::Remove);
+        assert_eq!(t.plan_step("a", 4096, 4097), StepPlan::Only(REMOVE));
         // The window moves while the full-attention groups grow: vLLM's rules.
         t.sync("a", &[Some(250), Some(1), Some(100)], false, 0, None)
             .unwrap();
@@ -1040,8 +1053,15 @@ mod tests {
         assert_eq!(t.decode_step("a", &decode(126, 100)), StepPlan::Quiet);
         assert_eq!(
             t.decode_step("a", &decode(127, 100)),
+            StepPlan::Only(CACHE),
+            "block 1 fills: only vLLM's cache_blocks has work"
+        );
+        let mut drafts = decode(127, 100);
+        drafts.lookahead = 2;
+        assert_eq!(
+            t.decode_step("a", &drafts),
             StepPlan::VllmPath,
-            "block 1 fills: vLLM caches it"
+            "block 1 fills while lookahead slots take block 2"
         );
         assert_eq!(
             t.decode_step("a", &decode(90, 100)),
@@ -1083,14 +1103,17 @@ mod tests {
             .unwrap();
         assert_eq!(
             t.decode_step("a", &decode(150, 100)),
-            StepPlan::Remove,
+            StepPlan::Only(REMOVE),
             "the stale state is freed, and block 1 retired: only removal"
         );
         // Block 1 below the retired ones but not freed (vLLM frees the state of two steps
         // ago by its index, whatever the retired count says).
         t.sync("a", &[Some(3)], false, 0, Some(&facts(2, 2, Some(1), 151)))
             .unwrap();
-        assert_eq!(t.decode_step("a", &decode(150, 100)), StepPlan::Remove);
+        assert_eq!(
+            t.decode_step("a", &decode(150, 100)),
+            StepPlan::Only(REMOVE)
+        );
         // A removal in a step that also takes a block: vLLM's rules.
         assert_eq!(t.decode_step("a", &decode(192, 100)), StepPlan::VllmPath);
         // Not settled (the managers' facts unknown since a removal): vLLM's rules.
@@ -1117,8 +1140,13 @@ mod tests {
         assert_eq!(t.decode_step("a", &decode(190, 100)), StepPlan::Quiet);
         assert_eq!(
             t.decode_step("a", &decode(191, 100)),
+            StepPlan::Only(CACHE),
+            "192: block 2 fills, and only vLLM's cache_blocks has work"
+        );
+        assert_eq!(
+            t.decode_step("a", &decode(192, 100)),
             StepPlan::VllmPath,
-            "192: block 2 fills, block 3 starts"
+            "193: block 3 starts"
         );
         let mut drafts = decode(150, 100);
         drafts.lookahead = 40;

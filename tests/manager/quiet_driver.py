@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from hybrid_alloc._native import NativeRunningRequests
+from hybrid_alloc._native import STEP_CACHE_BLOCKS, STEP_REMOVE_SKIPPED, NativeRunningRequests
 from tests.helpers import allocate_slots_installed, new_request
 
 
@@ -23,16 +23,18 @@ class Counted:
         self.quiet = 0
         self.grown = 0
         self.removed = 0
+        self.cached = 0
         self.not_quiet = 0
 
-    def decode_step(self, request_id: str, *counts: int) -> tuple[int, ...] | Literal[True] | None:
+    def decode_step(self, request_id: str, *counts: int) -> tuple[int, ...] | int | None:
         answer = self.check.decode_step(request_id, *counts)
         if answer == ():
             self.quiet += 1
         else:
             self.not_quiet += 1
-            if answer is True:
-                self.removed += 1
+            if isinstance(answer, int):
+                self.removed += bool(answer & STEP_REMOVE_SKIPPED)
+                self.cached += bool(answer & STEP_CACHE_BLOCKS)
             else:
                 self.grown += answer is not None
         return answer

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_alloc._native import NativeRunningRequests
+from hybrid_alloc._native import STEP_CACHE_BLOCKS, STEP_REMOVE_SKIPPED, NativeRunningRequests
 
 # Full attention (16-token blocks, its room kept in pool 0) and a Mamba-like state (one
 # block of 4096 tokens, skipping all but the last processed token).
@@ -140,12 +140,12 @@ def test_caching_steps_are_quiet_only_with_the_managers_facts() -> None:
     assert caching_step(t, 150) is None, "no facts: vLLM's path"
     t.sync("a", [3, 3], False, 0, facts())
     assert caching_step(t, 150) == ()
-    assert caching_step(t, 191) is None, "192 tokens fill block 2: vLLM caches it"
+    assert caching_step(t, 191) == STEP_CACHE_BLOCKS, "192 tokens fill block 2: only caching"
     t.sync("a", [3, 3], False, 0, facts(settled=False))
     assert caching_step(t, 150) is None, "a checkpoint pending: vLLM's path"
     t.sync("a", [3, 3], False, 0, facts(stale=[None, 1]))
-    assert caching_step(t, 150) is True, "only the state of two steps ago is freed there"
-    assert caching_step(t, 191) is None, "freed while block 2 fills: vLLM's path"
+    assert caching_step(t, 150) == STEP_REMOVE_SKIPPED, "only the stale state is freed there"
+    assert caching_step(t, 191) == STEP_REMOVE_SKIPPED | STEP_CACHE_BLOCKS, "both, in one step"
     t.sync("a", [2, 3], False, 0, facts())
     assert caching_step(t, 150) is None, "tables that cache never answer growth"
 

@@ -34,6 +34,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::BlockTable>()?;
     m.add_class::<views::FreeQueueView>()?;
     m.add_class::<views::FreeBlockIterator>()?;
+    m.add("STEP_REMOVE_SKIPPED", running::PHASE_REMOVE_SKIPPED)?;
+    m.add("STEP_CACHE_BLOCKS", running::PHASE_CACHE)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

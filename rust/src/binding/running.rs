@@ -10,7 +10,14 @@ use crate::running::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyTuple};
+use pyo3::types::PyTuple;
+
+/// `decode_step`'s bit for a step in which vLLM's `remove_skipped_blocks` has work
+/// (`_native.STEP_REMOVE_SKIPPED`).
+pub(super) const PHASE_REMOVE_SKIPPED: u8 = 1;
+/// `decode_step`'s bit for a step in which vLLM's `cache_blocks` has work
+/// (`_native.STEP_CACHE_BLOCKS`).
+pub(super) const PHASE_CACHE: u8 = 2;
 
 #[pyclass(module = "hybrid_alloc._native", name = "NativeRunningRequests")]
 pub struct NativeRunningRequests {
@@ -236,10 +243,11 @@ impl NativeRunningRequests {
 
     /// A running request's decode step, from the request's own counts (the scheduler's
     /// hot path: one call, the arithmetic here): `None` where vLLM's rules must run,
-    /// `()` for a quiet step (its room recounted), `True` where only vLLM's
-    /// `remove_skipped_blocks` has work (call it, then `sync`), else the blocks each group
-    /// takes (only groups without a window take any; tell `sync` once they are
-    /// allocated).
+    /// `()` for a quiet step (its room recounted), an `int` of phase bits where no group
+    /// takes a block and only those phases of vLLM's call have work
+    /// ([`PHASE_REMOVE_SKIPPED`]: vLLM's `remove_skipped_blocks`, [`PHASE_CACHE`]: its
+    /// `cache_blocks`; run them in that order, then `sync`), else the blocks each group takes (only groups without a window take any;
+    /// tell `sync` once they are allocated).
     #[allow(clippy::too_many_arguments)]
     fn decode_step<'py>(
         &mut self,
@@ -286,7 +294,16 @@ impl NativeRunningRequests {
             StepPlan::VllmPath => None,
             StepPlan::Quiet => Some(PyTuple::empty(py).into_any()),
             StepPlan::Grow(needs) => Some(PyTuple::new(py, needs)?.into_any()),
-            StepPlan::Remove => Some(PyBool::new(py, true).to_owned().into_any()),
+            StepPlan::Only(phases) => {
+                let mut bits = 0;
+                if phases.remove_skipped {
+                    bits |= PHASE_REMOVE_SKIPPED;
+                }
+                if phases.cache {
+                    bits |= PHASE_CACHE;
+                }
+                Some(bits.into_pyobject(py)?.into_any())
+            }
         })
     }
 

@@ -47,7 +47,12 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.request import RequestStatus
 
-from hybrid_alloc._native import NativeBlockPool, NativeRunningRequests
+from hybrid_alloc._native import (
+    STEP_CACHE_BLOCKS,
+    STEP_REMOVE_SKIPPED,
+    NativeBlockPool,
+    NativeRunningRequests,
+)
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from hybrid_alloc.integration.scheduler.quiet_step import (
@@ -191,23 +196,27 @@ class RunningTableMixin:
                 blocks_held(self.single_type_managers, request_id),
             )
 
-    def _removal_step(self, kv_manager: Any, request: Any, num_new: int) -> Any:
-        """vLLM's ``allocate_slots`` for a running request's decode step in which, by the
-        running-requests table, only ``remove_skipped_blocks`` has work (a window's
-        blocks, or Mamba 'align' states the running state has passed, are freed): that
-        call with vLLM's arguments, then the table told as after vLLM's whole path (the
-        same room length and cached tokens). What the rest of vLLM's call would walk
-        finds nothing to do: no group needs a block (so the admission check passes), no
-        checkpoint opens, and no block fills, so ``cache_blocks`` caches nothing. The
-        answer is vLLM's for a step that allocates nothing, the empty blocks."""
+    def _phases_step(self, kv_manager: Any, request: Any, num_new: int, phases: int) -> Any:
+        """vLLM's ``allocate_slots`` for a running request's decode step that, by the
+        running-requests table, takes no block and opens no checkpoint, so that its
+        ``get_num_blocks_to_allocate`` and ``allocate_new_blocks`` find nothing to do
+        (and its admission check passes): only the phases named in ``phases`` run, in
+        vLLM's order and with vLLM's arguments: ``remove_skipped_blocks`` (a window's
+        blocks, or Mamba 'align' states the running state has passed, are freed), then
+        ``cache_blocks`` (a block the step fills is cached). The table is then told as
+        after vLLM's whole path (the same room length and cached tokens). The answer is
+        vLLM's for a step that allocates nothing, the empty blocks."""
         max_len = kv_manager.max_model_len
         computed = min(request.num_computed_tokens, max_len)
-        self.remove_skipped_blocks(
-            request.request_id,
-            max(0, computed - request.num_in_flight_tokens),
-            num_prompt_tokens=request.num_prompt_tokens,
-        )
+        if phases & STEP_REMOVE_SKIPPED:
+            self.remove_skipped_blocks(
+                request.request_id,
+                max(0, computed - request.num_in_flight_tokens),
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
         caches = min(computed + num_new, request.num_tokens) if self._caching_table else 0
+        if phases & STEP_CACHE_BLOCKS:
+            self.cache_blocks(request, caches)  # type: ignore[attr-defined]
         length = _room_length(request, num_new) if self._decode_room_tokens else 0
         self._sync_running(request, length, caches)
         return self.quiet_step_blocks
@@ -1018,9 +1027,9 @@ def allocate_slots_honouring_loads(
             self.max_model_len,
         )
         if plan is not None:
-            # `()`: quiet; `True`: only `remove_skipped_blocks` frees blocks; else the
-            # blocks each group takes.
-            if not plan or plan is True:
+            # `()`: quiet; an int: the phases of vLLM's call that have work in a step that
+            # takes no block; else the blocks each group takes.
+            if not plan or isinstance(plan, int):
                 if coordinator._per_group_pools:
                     if TYPE_CHECKING:  # the flag is the test, at no isinstance cost
                         assert isinstance(coordinator, PerGroupPoolsMixin)
@@ -1028,8 +1037,8 @@ def allocate_slots_honouring_loads(
                         # As after any `allocate_slots` (below): the queries were for
                         # this step.
                         coordinator._reservation_queries.clear()
-                if plan is True:
-                    return coordinator._removal_step(self, request, num_new_tokens)
+                if plan:
+                    return coordinator._phases_step(self, request, num_new_tokens, plan)
                 return coordinator.quiet_step_blocks
             if coordinator._per_group_pools:
                 if TYPE_CHECKING:
