@@ -249,6 +249,7 @@ def _child_main(args: argparse.Namespace) -> int:
     outputs: list[list[int]] = []
     wave_s: list[float] = []
     transfer_params: list[Any] = []
+    engine_core_step = _engine_core_step(llm, args)
     for index, prompts in enumerate(waves):
         params = _wave_params(args, index, len(prompts))
         t = time.perf_counter()
@@ -257,10 +258,9 @@ def _child_main(args: argparse.Namespace) -> int:
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
         if args.pd_role is not None:
             transfer_params.extend(r.kv_transfer_params for r in results)
-            step = _engine_core_step(llm, args)
-            _pd_wave_done(args, index, [r.kv_transfer_params for r in results], step)
-    if args.pd_role is not None:
-        _pd_drain(llm, args)
+            _pd_wave_done(args, index, [r.kv_transfer_params for r in results], engine_core_step)
+    if engine_core_step is not None:
+        _pd_drain(llm, engine_core_step)
 
     metrics = _metrics_summary(llm.get_metrics())
     # Refused while any block is still held: True also says that no block leaked.
@@ -335,13 +335,10 @@ def _engine_core_step(llm: Any, args: argparse.Namespace) -> Callable[[], Any] |
     return llm.llm_engine.step
 
 
-def _pd_drain(llm: Any, args: argparse.Namespace, timeout: float = PD_WAIT_S) -> None:
-    """After the last wave: step the in-process prefill engine until the blocks the decode
-    side read are freed (the scheduler holds no request any more), as vLLM's engine-core
-    process does by itself."""
-    step = _engine_core_step(llm, args)
-    if step is None:
-        return
+def _pd_drain(llm: Any, step: Callable[[], Any], timeout: float = PD_WAIT_S) -> None:
+    """After the last wave: step the in-process prefill engine (``step``) until the blocks
+    the decode side read are freed (the scheduler holds no request any more), as vLLM's
+    engine-core process does by itself."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     deadline = time.monotonic() + timeout
     while scheduler.has_requests() and time.monotonic() < deadline:
