@@ -280,6 +280,16 @@ MUTANTS = (
         ("tests/manager/test_quiet_steps_caching.py",),
     ),
     Mutant(
+        "caching-growth-without-lookahead",
+        "a decode step with prefix caching on counts full-attention blocks for its own "
+        "tokens only, without the lookahead slots vLLM allocates for drafts",
+        "rust/src/running.rs",
+        "            let need = step.slots().div_ceil(size).saturating_sub(held);\n",
+        "            let need = step.main().div_ceil(size).saturating_sub(held);\n",
+        # test_caching_quiet_steps_change_nothing: block IDs or answers differ.
+        ("tests/manager/test_quiet_steps_caching.py",),
+    ),
+    Mutant(
         "quiet-step-skips-caching",
         "a decode step whose tokens fill a block is answered as quiet with prefix caching "
         "on (vLLM would cache the full block there)",

@@ -29,8 +29,9 @@ use rustc_hash::FxHashMap;
 pub enum StepPlan {
     /// Nothing: no group allocates, frees or caches a block.
     Quiet,
-    /// Only groups that never skip tokens (full attention) take blocks, this many per
-    /// group (0 elsewhere); nothing is freed or cached.
+    /// Only groups that never skip tokens (full attention) and, with prefix caching,
+    /// Mamba 'align' groups (one block: the running state moves on) take blocks, this
+    /// many per group (0 elsewhere); nothing is freed, cached or checkpointed.
     Grow(Vec<u64>),
     /// No group takes a block and no checkpoint opens, so `get_num_blocks_to_allocate`
     /// and `allocate_new_blocks` find nothing to do; only these phases of vLLM's call
@@ -292,20 +293,24 @@ fn plan_entry(
             return StepPlan::VllmPath;
         };
         if rule.caching != Caching::Off {
-            // Nothing allocated or checkpointed in a caching group, at most blocks freed
-            // by `remove_skipped_blocks` and a filled block cached; anything else takes
+            // No checkpoint in a caching group, and at most blocks taken, blocks freed by
+            // `remove_skipped_blocks` and a filled block cached; anything else takes
             // vLLM's path.
             let part = match (cacheable, step) {
                 (Some(c), Some(step)) => caching_group_step(rule, c, entry, g, held, step),
                 _ => None,
             };
-            match part {
-                Some(part) => {
-                    phases.add(part);
-                    continue;
+            let Some((part, need)) = part else {
+                return StepPlan::VllmPath;
+            };
+            phases.add(part);
+            if need > 0 {
+                if needs.is_empty() {
+                    needs = vec![0; rules.len()];
                 }
-                None => return StepPlan::VllmPath,
+                needs[g] = need;
             }
+            continue;
         }
         // Blocks past those held: vLLM's `get_num_blocks_to_allocate`.
         let need = slots
@@ -325,7 +330,7 @@ fn plan_entry(
         }
         if need > 0 {
             if cacheable.is_some() {
-                // A block fills as another starts: vLLM caches it.
+                // A group that caches nothing beside caching ones: vLLM's rules.
                 return StepPlan::VllmPath;
             }
             if needs.is_empty() {
@@ -338,16 +343,16 @@ fn plan_entry(
         (true, false) => StepPlan::Quiet,
         (true, true) => StepPlan::Only(phases),
         (false, false) => StepPlan::Grow(needs),
-        // Growth and removal in one step: vLLM's rules.
+        // Growth beside removal or caching in one step: vLLM's rules.
         (false, true) => StepPlan::VllmPath,
     }
 }
 
 /// What vLLM's `allocate_slots` for a decode `step` does to caching group `g` (which
-/// holds `held` blocks), where `get_num_blocks_to_allocate` and `allocate_new_blocks`
-/// find nothing to do there: the phases that have work (none: the group is quiet).
-/// `None` where anything else happens (a block or checkpoint taken, a partial entry
-/// registered). Only decode steps (the prompt computed) of settled requests qualify.
+/// holds `held` blocks): the phases other than allocation that have work there, and the
+/// blocks it takes (none of either: the group is quiet). `None` where anything else
+/// happens (a checkpoint opens, a partial entry is registered, Mamba 'align' takes more
+/// than one block). Only decode steps (the prompt computed) of settled requests qualify.
 fn caching_group_step(
     rule: &GroupRule,
     cacheable: &Cacheable,
@@ -355,7 +360,7 @@ fn caching_group_step(
     g: usize,
     held: u64,
     step: &DecodeStep,
-) -> Option<Phases> {
+) -> Option<(Phases, u64)> {
     let computed = step.computed.min(step.max_model_len);
     if !entry.settled || computed == 0 || step.computed < step.prompt_tokens {
         return None;
@@ -369,7 +374,7 @@ fn caching_group_step(
         cache: fills,
     };
     match rule.caching {
-        Caching::Off => Some(Phases::default()),
+        Caching::Off => Some((Phases::default(), 0)),
         Caching::Full => {
             let boundary = cacheable.partial_boundary(rule, step.prompt_tokens);
             // No partial entry, or one registered already (re-registering the same key
@@ -378,12 +383,18 @@ fn caching_group_step(
                 || entry.partial_done[g]
                 || boundary > cached_tokens
                 || boundary / size >= held;
-            (step.slots().div_ceil(size) <= held && partial_quiet).then_some(cache_only)
+            let need = step.slots().div_ceil(size).saturating_sub(held);
+            partial_quiet.then_some((cache_only, need))
         }
         Caching::MambaAlign { speculative_blocks } => {
             let main = step.main();
-            // 'align' blocks count the step's own tokens, not lookahead slots.
-            if main.div_ceil(size).saturating_add(speculative_blocks) > held {
+            // 'align' blocks count the step's own tokens, not lookahead slots. The running
+            // state moves into one new block (more: vLLM caps what it counts).
+            let need = main
+                .div_ceil(size)
+                .saturating_add(speculative_blocks)
+                .saturating_sub(held);
+            if need > 1 {
                 return None;
             }
             // A checkpoint column past the initial state's: vLLM may reserve one.
@@ -404,10 +415,13 @@ fn caching_group_step(
             // The state of two steps ago is freed once the state passes it.
             let stale_freed = entry.stale_state[g]
                 .is_some_and(|stale| stale.saturating_add(1) < processed.div_ceil(size));
-            Some(Phases {
-                remove_skipped: retires || stale_freed,
-                cache: fills,
-            })
+            Some((
+                Phases {
+                    remove_skipped: retires || stale_freed,
+                    cache: fills,
+                },
+                need,
+            ))
         }
     }
 }
@@ -1068,10 +1082,19 @@ mod tests {
             StepPlan::VllmPath,
             "a prefill chunk"
         );
-        // Grows are vLLM's too (a block fills as the next starts).
+        // 129 tokens: block 2 starts, nothing fills.
         t.sync("a", &[Some(2)], false, 0, Some(&facts(2, 0, None, 128)))
             .unwrap();
-        assert_eq!(t.decode_step("a", &decode(128, 100)), StepPlan::VllmPath);
+        assert_eq!(
+            t.decode_step("a", &decode(128, 100)),
+            StepPlan::Grow(vec![1])
+        );
+        // A block fills as the next starts: vLLM's rules.
+        t.sync("a", &[Some(2)], false, 0, Some(&facts(1, 0, None, 127)))
+            .unwrap();
+        let mut drafts = decode(127, 100);
+        drafts.lookahead = 2;
+        assert_eq!(t.decode_step("a", &drafts), StepPlan::VllmPath);
         // Without facts (or unsettled), never quiet.
         t.sync("a", &[Some(3)], false, 0, None).unwrap();
         assert_eq!(t.decode_step("a", &decode(130, 100)), StepPlan::VllmPath);
@@ -1146,7 +1169,21 @@ mod tests {
         assert_eq!(
             t.decode_step("a", &decode(192, 100)),
             StepPlan::VllmPath,
-            "193: block 3 starts"
+            "193 tokens with block 2 not cached yet: it fills as block 3 starts"
+        );
+        t.sync("a", &[Some(3)], false, 0, Some(&facts(3, 2, None, 192)))
+            .unwrap();
+        assert_eq!(
+            t.decode_step("a", &decode(192, 100)),
+            StepPlan::Grow(vec![1]),
+            "193: the state moves into block 3"
+        );
+        let mut two = decode(192, 100);
+        two.new_tokens = 65;
+        assert_eq!(
+            t.decode_step("a", &two),
+            StepPlan::VllmPath,
+            "two blocks: vLLM caps what it counts"
         );
         let mut drafts = decode(150, 100);
         drafts.lookahead = 40;

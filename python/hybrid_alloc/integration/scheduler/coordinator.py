@@ -555,13 +555,14 @@ class PerGroupPoolsMixin(RunningTableMixin):
     ) -> Any:
         """vLLM's ``allocate_slots`` for a running request's decode step that, by the
         running-requests table, only takes ``needs[g]`` blocks in groups without a window
-        (full attention): the same admission (each pool's need against its free blocks;
-        elastic pools: the plan and the primary pool's count, as vLLM compares it), the
-        same managers' ``allocate_new_blocks``, the same result, and the same reservation
-        of an elastic step. What vLLM's call would also walk finds nothing to do here:
-        no block leaves a window (``remove_skipped_blocks``), no manager caches
-        (``cache_blocks``), and the other groups take no block. Refused: None, nothing
-        changed (vLLM's answer; the scheduler preempts)."""
+        (full attention; with prefix caching also Mamba 'align', whose running state
+        moves into one new block): the same admission (each pool's need against its free
+        blocks; elastic pools: the plan and the primary pool's count, as vLLM compares
+        it), the same managers' ``allocate_new_blocks``, the same result, and the same
+        reservation of an elastic step. What vLLM's call would also walk finds nothing
+        to do here: no block leaves a window (``remove_skipped_blocks``), no block fills
+        (``cache_blocks``), no checkpoint opens, and the other groups take no block.
+        Refused: None, nothing changed (vLLM's answer; the scheduler preempts)."""
         request_id = request.request_id
         max_len = kv_manager.max_model_len
         main = min(request.num_computed_tokens, max_len) + num_new
@@ -599,7 +600,12 @@ class PerGroupPoolsMixin(RunningTableMixin):
             if blocks is not None:
                 room = _room_length(request, num_new) if self._decode_room_tokens else 0
                 table = self._running
-                if table is not None and tuple(map(len, blocks)) == tuple(needs):
+                if self._caching_table:
+                    # What caching managers keep of the request changed (Mamba 'align':
+                    # the state of two steps ago): the table reads it back, as after
+                    # vLLM's call, which caches `main` tokens at most.
+                    self._sync_running(request, room, min(main, request.num_tokens))
+                elif table is not None and tuple(map(len, blocks)) == tuple(needs):
                     # The managers took what the table planned: it adds them itself.
                     table.grown(request_id, needs, room)
                 else:
@@ -1043,7 +1049,6 @@ def allocate_slots_honouring_loads(
             if coordinator._per_group_pools:
                 if TYPE_CHECKING:
                     assert isinstance(coordinator, PerGroupPoolsMixin)
-                # Only tables that cache nothing answer growth (full attention only).
                 return coordinator._grow_decode_step(
                     self, request, num_new_tokens, num_lookahead_tokens, plan
                 )
