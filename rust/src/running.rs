@@ -6,9 +6,10 @@
 //! * [`RunningRequests::decode_step`] (and [`RunningRequests::plan_step`] under it): what
 //!   `allocate_slots` for a running request's step would do ([`StepPlan`]): nothing (then
 //!   vLLM's answer is the empty `KVCacheBlocks`, and the call can return at once), only
-//!   take blocks in full-attention groups (then the caller allocates just those), only
-//!   free blocks in `remove_skipped_blocks` (then the caller runs just that), or
-//!   anything else (vLLM's rules run);
+//!   take blocks in full-attention groups and, with prefix caching, Mamba 'align' ones
+//!   (then the caller allocates just those), take none but free some in
+//!   `remove_skipped_blocks` or cache a filled one in `cache_blocks` (then the caller
+//!   runs just those), or anything else (vLLM's rules run);
 //! * [`RunningRequests::room_asks`]: how many pages, per pool, do the running requests lack
 //!   for `room_tokens` more tokens each? (what an admission must leave them).
 //!

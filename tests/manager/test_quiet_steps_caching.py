@@ -67,6 +67,7 @@ CASES: dict[str, tuple[list[Any], str]] = {
     # takes, frees or caches a block.
     "static-16": ([big_attn(16), big_align(16)], "static"),
     "elastic-16": ([big_attn(16), big_align(16)], "elastic"),
+    "elastic-16-spec": ([big_attn(16), big_align(16, speculative_blocks=2)], "elastic"),
 }
 
 

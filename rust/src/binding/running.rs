@@ -246,8 +246,9 @@ impl NativeRunningRequests {
     /// `()` for a quiet step (its room recounted), an `int` of phase bits where no group
     /// takes a block and only those phases of vLLM's call have work
     /// ([`PHASE_REMOVE_SKIPPED`]: vLLM's `remove_skipped_blocks`, [`PHASE_CACHE`]: its
-    /// `cache_blocks`; run them in that order, then `sync`), else the blocks each group takes (only groups without a window take any;
-    /// tell `sync` once they are allocated).
+    /// `cache_blocks`; run them in that order, then `sync`), else the blocks each group
+    /// takes (only groups without a window, and Mamba 'align' groups, take any; tell
+    /// `sync` once they are allocated).
     #[allow(clippy::too_many_arguments)]
     fn decode_step<'py>(
         &mut self,

@@ -13,12 +13,13 @@ its manager, as vLLM's methods apply them; per request, the blocks each group ho
 how far its window's blocks are freed (told after every call that can change them). One
 call per request and step (``decode_step``) answers what this ``allocate_slots`` would
 do: nothing (quiet; the request's decode room is recounted in the same call), only take
-blocks in full-attention groups (`PerGroupPoolsMixin._grow_decode_step` then allocates
-just those), only free blocks in ``remove_skipped_blocks`` (a window moves, or Mamba
-'align' states the running state has passed are freed: `RunningTableMixin._removal_step`
-then runs just that, vLLM's own call), or anything else (vLLM's whole
-``allocate_slots``). It also keeps the decode
-room's totals (elastic pools, ``PerGroupPoolsMixin._decode_room_asks``). Rules modelled:
+blocks in full-attention groups, and with prefix caching in Mamba 'align' groups
+(`PerGroupPoolsMixin._grow_decode_step` then allocates just those), take no block but
+free some in ``remove_skipped_blocks`` (a window moves, or Mamba 'align' states the
+running state has passed are freed) or cache one the step fills in ``cache_blocks``
+(`RunningTableMixin._phases_step` then runs just those of vLLM's calls), or anything
+else (vLLM's whole ``allocate_slots``). It also keeps the decode room's totals (elastic
+pools, ``PerGroupPoolsMixin._decode_room_asks``). Rules modelled:
 
 * full attention (``FullAttentionManager`` itself, not its subclasses): never frees
   while a request runs; needs a page when the slots outgrow its blocks;
@@ -30,9 +31,11 @@ room's totals (elastic pools, ``PerGroupPoolsMixin._decode_room_asks``). Rules m
   mode: after each of vLLM's calls the table reads what the managers keep of the request
   (:func:`cache_facts`), and a decode step is quiet only where no block fills (by the
   coordinator's ``get_num_cacheable_tokens``, checked against it at build time), no
-  state block starts, no checkpoint opens and no partial entry is registered (a step
-  that also frees a retired or stale state block is a removal step). Caching tables never
-  answer "grow": a block that fills is cached, which is vLLM's to do.
+  state block starts or is freed, no checkpoint opens and no partial entry is
+  registered. A step that only frees blocks or caches a filled one runs those phases; one
+  that only takes blocks (a full-attention block, an 'align' state moving into its next
+  block) grows; one that does both, opens a checkpoint or registers a partial entry takes
+  vLLM's path, and the table reads the managers back after every step but a quiet one.
 
 Any other manager kind (a caching sliding window, chunked local, cross-attention, sinks,
 ...) makes every call take vLLM's path, and the table keeps only the room. A quiet call
