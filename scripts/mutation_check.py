@@ -245,8 +245,8 @@ MUTANTS = (
         "a decode step is answered as quiet while a block of the request leaves its "
         "sliding window (vLLM would free it there)",
         "rust/src/running.rs",
-        "            removes |= last > entry.removed[g];\n",
-        "            removes |= last > entry.removed[g] && offset == 0;\n",
+        "            phases.remove_skipped |= last > entry.removed[g];\n",
+        "            phases.remove_skipped |= last > entry.removed[g] && offset == 0;\n",
         # test_quiet_steps_change_nothing[full+swa+mamba_none-*]: block IDs differ.
         ("tests/manager/test_quiet_steps.py",),
     ),
@@ -256,7 +256,7 @@ MUTANTS = (
         "answered as a removal step (its new blocks never allocated)",
         "rust/src/running.rs",
         "        (false, true) => StepPlan::VllmPath,\n",
-        "        (false, true) => StepPlan::Remove,\n",
+        "        (false, true) => StepPlan::Only(phases),\n",
         ("cargo:running::tests::a_step_past_held_blocks",),
     ),
     Mutant(

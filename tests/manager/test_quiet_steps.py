@@ -124,7 +124,7 @@ def test_quiet_steps_change_nothing(layout: str, elastic: bool) -> None:
     # Every path ran: quiet steps, steps that take or free a block (vLLM's path), and
     # decode steps that only take full attention blocks (`_grow_decode_step`; with a
     # sliding window of the same block size, the window's group grows on the same steps,
-    # so those take vLLM's path) or only free a window's blocks (`_removal_step`).
+    # so those take vLLM's path) or only free a window's blocks (`_phases_step`).
     assert min(counted.quiet, counted.not_quiet) > 50, (counted.quiet, counted.not_quiet)
     if "swa" not in layout:
         assert counted.grown > 20, counted.grown
