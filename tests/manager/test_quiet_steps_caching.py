@@ -63,8 +63,8 @@ CASES: dict[str, tuple[list[Any], str]] = {
     "shared-16": ([big_attn(16), big_align(16)], "shared"),
     "static-64": ([big_attn(64), big_align(64)], "static"),
     "elastic-64": ([big_attn(64), big_align(64)], "elastic"),
-    # Per-group pools at 16-token 'align' blocks (LFM2's layout): a decode step in three
-    # takes, frees or caches a block.
+    # Per-group pools at 16-token 'align' blocks (LFM2's layout): three decode steps in
+    # every sixteen take, free or cache a block.
     "static-16": ([big_attn(16), big_align(16)], "static"),
     "elastic-16": ([big_attn(16), big_align(16)], "elastic"),
     "elastic-16-spec": ([big_attn(16), big_align(16, speculative_blocks=2)], "elastic"),
