@@ -214,7 +214,7 @@ class RunningTableMixin:
                 max(0, computed - request.num_in_flight_tokens),
                 num_prompt_tokens=request.num_prompt_tokens,
             )
-        caches = min(computed + num_new, request.num_tokens) if self._caching_table else 0
+        caches = _tokens_cached(request, num_new, max_len) if self._caching_table else 0
         if phases & STEP_CACHE_BLOCKS:
             self.cache_blocks(request, caches)  # type: ignore[attr-defined]
         length = _room_length(request, num_new) if self._decode_room_tokens else 0
@@ -603,8 +603,8 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 if self._caching_table:
                     # What caching managers keep of the request changed (Mamba 'align':
                     # the state of two steps ago): the table reads it back, as after
-                    # vLLM's call, which caches `main` tokens at most.
-                    self._sync_running(request, room, min(main, request.num_tokens))
+                    # vLLM's call.
+                    self._sync_running(request, room, _tokens_cached(request, num_new, max_len))
                 elif table is not None and tuple(map(len, blocks)) == tuple(needs):
                     # The managers took what the table planned: it adds them itself.
                     table.grown(request_id, needs, room)
@@ -1075,9 +1075,7 @@ def allocate_slots_honouring_loads(
     )
     caches = 0
     if coordinator._caching_table and not delayed:
-        caches = min(
-            min(request.num_computed_tokens, self.max_model_len) + num_new, request.num_tokens
-        )
+        caches = _tokens_cached(request, num_new, self.max_model_len)
     if not per_group:
         result = None
         try:
@@ -1126,6 +1124,15 @@ def allocate_slots_honouring_loads(
         coordinator._load_reserved_blocks = 0
         coordinator._reservation_queries.clear()
         coordinator._end_step()
+
+
+def _tokens_cached(request: Any, num_new: int, max_len: int) -> int:
+    """The tokens vLLM's ``allocate_slots`` caches for a request whose step adds
+    ``num_new`` tokens and no prefix hits: its computed tokens (at most ``max_len``) plus
+    the new ones, at most its length. A running request's decode step (the table's
+    growth and phase steps) caches exactly this; at admission, hits add to it, so it is
+    what the call caches at least."""
+    return min(min(request.num_computed_tokens, max_len) + num_new, request.num_tokens)
 
 
 def _room_length(request: Any, num_new: int) -> int:
