@@ -199,6 +199,15 @@ def test_tagged_ids_round_trip() -> None:
     from dataclasses import replace
 
     assert not replace(config, zero_new_blocks=False).needs_kv_cache_zeroing
+    # The stacking is worked out once per set of pool layouts: a config given other
+    # layouts (or a copy made with them) stacks those, not the ones it had.
+    grown = tuple(
+        replace(layout, num_blocks=layout.num_blocks + 7) for layout in config.pool_layouts
+    )
+    config.pool_layouts = grown
+    assert config.group_num_blocks() == [n + 7 for n in counts]
+    assert config.zero_id_offsets()[order[1]] == counts[order[0]] + 7
+    assert config.split_tagged_block_ids([counts[order[0]] + 7]) == {order[1]: [0]}
 
 
 @pytest.mark.parametrize("drain_first", [False, True])

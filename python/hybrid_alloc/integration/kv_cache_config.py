@@ -147,7 +147,7 @@ class PerGroupKVCacheConfig(KVCacheConfig):
     def group_num_blocks(self) -> list[int]:
         """Each group's pool size, in group order (the block count its tensors are viewed
         with)."""
-        return [self.layout_of_group(g).num_blocks for g in range(len(self.kv_cache_groups))]
+        return list(self._stacking()[2])
 
     def tag_order(self) -> list[int]:
         """Groups in the order their tagged ID ranges are stacked: the groups of the first
@@ -155,26 +155,49 @@ class PerGroupKVCacheConfig(KVCacheConfig):
         order. vLLM lists new blocks for zeroing from attention managers only, so in a
         hybrid model nearly every ID on the list is the primary pool's first group's: at
         offset 0 those travel as they are, and neither side makes a new int per ID."""
-        growing = [layout for layout in self.pool_layouts if layout.grows]
-        first = list(growing[0].group_ids) if growing else []
-        return first + [g for g in range(len(self.kv_cache_groups)) if g not in first]
+        return list(self._stacking()[0])
 
     def zero_id_offsets(self) -> list[int]:
         """Per group (indexed by group): where its tagged IDs start, the pool sizes of the
         groups stacked before it (:meth:`tag_order`)."""
-        counts = self.group_num_blocks()
+        return list(self._stacking()[1])
+
+    def _stacking(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(:meth:`tag_order`, :meth:`zero_id_offsets`, :meth:`group_num_blocks`), worked
+        out once for the pools this config holds. The scheduler tags the new IDs of every
+        step that takes a block, and the workers split them back, so working them out
+        again each time (walking the layouts per group) cost about 2 us a step; they
+        depend only on ``pool_layouts`` (frozen layouts in a tuple) and the number of
+        groups, which key the cached answer (a replaced tuple or another group count
+        works it out again)."""
+        key = (self.pool_layouts, len(self.kv_cache_groups))
+        cached = self.__dict__.get("_stacked")
+        if cached is not None and cached[0] is key[0] and cached[1] == key[1]:
+            return cached[2]  # type: ignore[no-any-return]
+        counts = tuple(self.layout_of_group(g).num_blocks for g in range(len(self.kv_cache_groups)))
+        growing = [layout for layout in self.pool_layouts if layout.grows]
+        first = list(growing[0].group_ids) if growing else []
+        order = tuple(first + [g for g in range(len(counts)) if g not in first])
         offsets = [0] * len(counts)
         total = 0
-        for g in self.tag_order():
+        for g in order:
             offsets[g] = total
             total += counts[g]
-        return offsets
+        stacking = (order, tuple(offsets), counts)
+        self.__dict__["_stacked"] = (key[0], key[1], stacking)
+        return stacking
 
     def tag_block_ids(self, group_id: int, block_ids: Iterable[int]) -> list[int]:
         """Group ``group_id``'s pool-scoped IDs as tagged IDs (unique across groups)."""
-        offset = self.zero_id_offsets()[group_id]
+        out: list[int] = []
+        self.extend_tagged(out, group_id, block_ids)
+        return out
+
+    def extend_tagged(self, out: list[int], group_id: int, block_ids: Iterable[int]) -> None:
+        """Append group ``group_id``'s pool-scoped IDs to ``out`` as tagged IDs."""
+        offset = self._stacking()[1][group_id]
         # `map` with the bound `int.__add__` runs in C.
-        return list(block_ids) if offset == 0 else list(map(offset.__add__, block_ids))
+        out.extend(block_ids if offset == 0 else map(offset.__add__, block_ids))
 
     def split_tagged_block_ids(self, tagged: Iterable[int]) -> dict[int, list[int]]:
         """Tagged IDs back as ``{group: pool-scoped IDs}``, each group's IDs ascending
@@ -191,14 +214,13 @@ class PerGroupKVCacheConfig(KVCacheConfig):
         ids = sorted(tagged)
         if not ids:
             return {}
-        counts = self.group_num_blocks()
+        order, offsets, counts = self._stacking()
         end = sum(counts)
         if ids[0] < 0 or ids[-1] >= end:
             bad = ids[0] if ids[0] < 0 else ids[-1]
             raise ValueError(f"tagged block ID {bad} is outside 0..{end - 1}")
-        offsets = self.zero_id_offsets()
         out: dict[int, list[int]] = {}
-        for g in self.tag_order():
+        for g in order:
             start = offsets[g]
             lo = bisect_left(ids, start)
             hi = bisect_left(ids, start + counts[g], lo)

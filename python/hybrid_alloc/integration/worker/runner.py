@@ -204,7 +204,7 @@ def _tagging_take_new_block_ids(stock: Callable[..., list[int]]) -> Callable[...
         for manager in self.coordinator.single_type_managers:
             new = manager.take_new_block_ids()
             if new:  # called every step; most steps take no block in most groups
-                ids.extend(config.tag_block_ids(manager.kv_cache_group_id, new))
+                config.extend_tagged(ids, manager.kv_cache_group_id, new)
         return ids
 
     return take_new_block_ids
