@@ -342,6 +342,15 @@ class PerGroupPoolsMixin(RunningTableMixin):
         # blocks per pool, (pool, pages) per manager); reserved at the step's first
         # allocation (`_reserve_step`).
         self._admitted_step: tuple[str, list[list[Any]], list[tuple[int, int]]] | None = None
+        # vLLM's `allocate_slots` asks for a waiting request's count twice, first for its
+        # full sequence (the admission gate, cap on) and then for the step, and for a
+        # prompt taken whole the two questions are the same. Where every manager answers
+        # alike with the cap on or off and changes nothing as it answers
+        # (`_counts_alike_with_cap`), the gate's plan is kept (`_gate_answer`: the call's
+        # arguments, the pools' state, its hits, pages and answer) and the step reuses it
+        # if nothing differs: the plan and the managers' counts run once.
+        self._gate_reusable = all(map(_counts_alike_with_cap, self.single_type_managers))
+        self._gate_answer: tuple[Any, ...] | None = None
 
     def _manager_needs(
         self,
@@ -488,6 +497,29 @@ class PerGroupPoolsMixin(RunningTableMixin):
           primary-pool pages of the same bytes (`_reservation_query`).
         """
         pool_set = self.pool_set
+        question = (
+            request_id,
+            num_tokens,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            prefill_end,
+        )
+        gate = self._gate_answer
+        if gate is not None:
+            self._gate_answer = None
+            if (
+                not apply_admission_cap
+                and gate[0] == question
+                and gate[1] is new_computed_blocks
+                and gate[2] == self._pools_state()
+            ):
+                # The step asks what the admission gate just asked, and nothing was freed
+                # or taken since (vLLM's `remove_skipped_blocks` runs in between): the
+                # gate's plan fitted, and it is the step's.
+                self._admitted_step = (request_id, gate[3], gate[4])
+                return gate[5]  # type: ignore[no-any-return]
         hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
         news: list[tuple[int, int]] = []
         primary_need = 0
@@ -536,7 +568,26 @@ class PerGroupPoolsMixin(RunningTableMixin):
             return pool_set.get_num_free_blocks() + 1
         if not apply_admission_cap:
             self._admitted_step = (request_id, hits, news)
+        elif self._gate_reusable and self._allocating == request_id:
+            self._gate_answer = (
+                question,
+                new_computed_blocks,
+                self._pools_state(),
+                hits,
+                news,
+                primary_need,
+            )
         return primary_need
+
+    def _pools_state(self) -> tuple[tuple[int, ...], int, int]:
+        """Each pool's free pages, the budget's unowned slabs and its reserved steps: a
+        block freed or taken changes one of the first two (a free adds a page to its
+        pool's queue unless its slab goes back to the budget, which adds an unowned
+        slab), and a plan counts the reservations too."""
+        e = self.pool_set.elastic
+        if e is None:
+            return self.pool_set.free_counts(), 0, 0
+        return self.pool_set.free_counts(), e.num_unowned, e.num_reserved
 
     def _decode_room_asks(self, request_id: str) -> list[tuple[int, int]]:
         """(pool, pages) the running requests lack for ``decode_room_tokens`` more tokens
@@ -714,6 +765,7 @@ class PerGroupPoolsMixin(RunningTableMixin):
         if e is not None:
             e.end_step()
         self._admitted_step = None
+        self._gate_answer = None
 
     def allocate_new_computed_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         """vLLM's (first phase of a step's allocation); reserves the admitted step first."""
@@ -1124,6 +1176,21 @@ def allocate_slots_honouring_loads(
         coordinator._load_reserved_blocks = 0
         coordinator._reservation_queries.clear()
         coordinator._end_step()
+
+
+def _counts_alike_with_cap(manager: Any) -> bool:
+    """Whether ``manager``'s ``get_num_blocks_to_allocate`` gives the same count with
+    vLLM's ``apply_admission_cap`` on or off, from the same arguments and state, and
+    changes nothing as it counts: vLLM's base rule (full and cross-attention) or Mamba
+    outside 'align' mode (its speculative blocks added, then the base rule), where the
+    manager has no admission cap (sliding windows and chunked local attention have one,
+    and 'align' Mamba records the step's checkpoint only with the cap off)."""
+    if getattr(manager, "max_admission_blocks_per_request", None) is not None:
+        return False
+    method = type(manager).get_num_blocks_to_allocate
+    if method is SingleTypeKVCacheManager.get_num_blocks_to_allocate:
+        return True
+    return method is MambaManager.get_num_blocks_to_allocate and manager.mamba_cache_mode != "align"
 
 
 def _tokens_cached(request: Any, num_new: int, max_len: int) -> int:
