@@ -328,6 +328,16 @@ MUTANTS = (
         "",
         ("cargo:running::tests::an_eviction",),
     ),
+    Mutant(
+        "gate-answer-outlives-a-free",
+        "elastic pools reuse the admission gate's plan for the step although blocks were "
+        "freed between the two asks",
+        "python/hybrid_alloc/integration/scheduler/coordinator.py",
+        "                and gate[2] == self._pools_state()\n",
+        "",
+        # test_a_change_to_the_pools_between_the_asks_plans_again: the plan is not run again.
+        ("tests/manager/test_gate_answer.py",),
+    ),
 )
 
 

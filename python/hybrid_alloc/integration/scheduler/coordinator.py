@@ -520,9 +520,12 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 # gate's plan fitted, and it is the step's.
                 self._admitted_step = (request_id, gate[3], gate[4])
                 return gate[5]  # type: ignore[no-any-return]
-        hits: list[list[Any]] = [[] for _ in range(len(pool_set))]
+        hits: list[list[Any]] = [[] for _ in self._no_hits]
         news: list[tuple[int, int]] = []
         primary_need = 0
+        takes = False  # whether any group takes a hit or a new block
+        group_pools = self._group_pools
+        primary = pool_set.primary_index
         for gid, manager, group_hits, n in self._manager_needs(
             request_id,
             num_tokens,
@@ -534,9 +537,10 @@ class PerGroupPoolsMixin(RunningTableMixin):
             apply_admission_cap,
             prefill_end,
         ):
-            idx = pool_set.pool_index_of_group(gid)
+            idx = group_pools[gid]
             evictable = 0
             if group_hits:
+                takes = True
                 # vLLM counts free hit blocks among the blocks to allocate; the plan takes
                 # the hits themselves, so only the rest are new (all of it where the
                 # manager may skip some hits, which over-counts and never under-counts).
@@ -551,13 +555,15 @@ class PerGroupPoolsMixin(RunningTableMixin):
                     total_computed_tokens,
                     num_local_computed_tokens,
                 )
-            news.append((idx, max(0, n - evictable)))
-            if idx == pool_set.primary_index:
+            new = max(0, n - evictable)
+            news.append((idx, new))
+            takes = takes or new > 0
+            if idx == primary:
                 primary_need += n
         if apply_admission_cap and self._allocating is None and _allocate_slots_is_ours():
             return self._reservation_query(request_id, news)
         loads_reserved = self._allocating == request_id and self._load_reserved_blocks
-        if not loads_reserved and not any(hits) and not any(n for _, n in news):
+        if not loads_reserved and not takes:
             # A step that takes no page (most decode steps): it fits whatever the budget
             # holds, and there is nothing to reserve; the plan would answer the same.
             return primary_need
