@@ -166,7 +166,7 @@ class PerGroupKVCacheConfig(KVCacheConfig):
         """(:meth:`tag_order`, :meth:`zero_id_offsets`, :meth:`group_num_blocks`), worked
         out once for the pools this config holds. The scheduler tags the new IDs of every
         step that takes a block, and the workers split them back, so working them out
-        again each time (walking the layouts per group) cost about 2 us a step; they
+        again each time (walking the layouts per group) cost about 2 us a call; they
         depend only on ``pool_layouts`` (frozen layouts in a tuple) and the number of
         groups, which key the cached answer (a replaced tuple or another group count
         works it out again)."""

@@ -586,13 +586,11 @@ class PerGroupPoolsMixin(RunningTableMixin):
         return primary_need
 
     def _pools_state(self) -> tuple[tuple[int, ...], int, int]:
-        """Each pool's free pages, the budget's unowned slabs and its reserved steps: a
-        block freed or taken changes one of the first two (a free adds a page to its
-        pool's queue unless its slab goes back to the budget, which adds an unowned
-        slab), and a plan counts the reservations too."""
-        e = self.pool_set.elastic
-        if e is None:
-            return self.pool_set.free_counts(), 0, 0
+        """Elastic pools: each pool's free pages, the budget's unowned slabs and its
+        reserved steps. A block freed or taken changes one of the first two (a free adds
+        a page to its pool's queue unless its slab goes back to the budget, which adds an
+        unowned slab), and a plan counts the reservations too."""
+        e: Any = self.pool_set.elastic
         return self.pool_set.free_counts(), e.num_unowned, e.num_reserved
 
     def _decode_room_asks(self, request_id: str) -> list[tuple[int, int]]:
