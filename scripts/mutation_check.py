@@ -338,6 +338,16 @@ MUTANTS = (
         # test_a_change_to_the_pools_between_the_asks_plans_again: the plan is not run again.
         ("tests/manager/test_gate_answer.py",),
     ),
+    Mutant(
+        "block-ids-none-beside-a-block",
+        "the scheduler output's block IDs read None (nothing allocated) when one group is "
+        "empty and another took a block",
+        "python/hybrid_alloc/integration/scheduler/manager_patches.py",
+        "    if allow_none and not any(groups):\n",
+        "    if allow_none and not all(groups):\n",
+        # test_get_block_ids_answers_as_vllm: None where vLLM lists the other group's IDs.
+        ("tests/manager/test_block_ids.py",),
+    ),
 )
 
 

@@ -982,3 +982,17 @@ def fake_vllm_config(
         speculative_config=None,
         max_in_flight_tokens=256,
     )
+
+
+def assert_block_ids_as_vllm(blocks: Any, what: str) -> None:
+    """The plugin's ``KVCacheBlocks.get_block_ids`` (`manager_patches.get_block_ids`)
+    answers as vLLM's own on ``blocks``: every group, the groups in reverse, each group
+    alone, each with and without ``allow_none``."""
+    from hybrid_alloc.integration.scheduler import manager_patches
+
+    groups = range(len(blocks.blocks))
+    for group_ids in (None, list(groups)[::-1], *([g] for g in groups)):
+        for allow_none in (False, True):
+            ours = manager_patches.get_block_ids(blocks, allow_none, group_ids=group_ids)
+            vllm = manager_patches.vllm_get_block_ids(blocks, allow_none, group_ids=group_ids)
+            assert ours == vllm, (what, group_ids, allow_none)

@@ -10,6 +10,10 @@ STEP_REMOVE_SKIPPED: int
 STEP_CACHE_BLOCKS: int
 """`NativeRunningRequests.decode_step`'s bit: vLLM's ``cache_blocks`` has work."""
 
+def block_ids(blocks: Iterable[Any], /) -> list[int]:
+    """Each block's ``block_id`` in order, as a new list (``[b.block_id for b in blocks]``):
+    this package's handles read natively, any other object by its attribute."""
+
 class BlockHashes(Protocol):
     """What the caching calls read a request's block hashes from: a list of them, or
     vLLM's view of them at a larger block size (``BlockHashListWithBlockSize``)."""

@@ -35,6 +35,7 @@ from tests.helpers import (
     LAYOUTS,
     CountingMachine,
     RecordingCollector,
+    assert_block_ids_as_vllm,
     budget,
     build_manager,
     check_our_pool,
@@ -436,6 +437,8 @@ class ManagerMachine(CountingMachine):
         blocks = {rid: self.ours.get_block_ids(rid) for rid in sorted(self.tracked)}
         for rid, ids in blocks.items():
             assert ids == self.stock.get_block_ids(rid)
+            # The scheduler output's IDs: the plugin's method against vLLM's own.
+            assert_block_ids_as_vllm(self.ours.get_blocks(rid), rid)
         # The prefill statistics' cached-token estimate: ours (one pool call per group)
         # against vLLM's own on its pool.
         for rid, t in sorted(self.tracked.items()):

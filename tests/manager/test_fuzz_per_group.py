@@ -74,6 +74,7 @@ from tests.helpers import (
     PER_GROUP_LAYOUTS,
     SHARED_POOLS,
     CountingMachine,
+    assert_block_ids_as_vllm,
     budget,
     check_our_pool,
     check_stock_pool,
@@ -683,6 +684,8 @@ class PerGroupMachine(CountingMachine):
             assert manager_patches.estimate_cached_tokens(
                 self.ours, t.ours
             ) == manager_patches.vllm_estimate_cached_tokens(self.ours, t.ours), rid
+            # The scheduler output's IDs: the plugin's method against vLLM's own.
+            assert_block_ids_as_vllm(self.ours.get_blocks(rid), rid)
         rows_s, first_s = self.layout_of("stock")
         rows_o, first_o = self.layout_of("ours")
         # The same requests hold the same block lists (shapes, null padding).

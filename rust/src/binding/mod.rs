@@ -4,7 +4,8 @@
 //! core's.
 //!
 //! * [`block`]: `KVCacheBlock`, the block handle vLLM's managers hold (one object per
-//!   block), and the table of handles a pool has handed out;
+//!   block), the table of handles a pool has handed out, and `block_ids`, a group's
+//!   handles as IDs;
 //! * [`pool`]: `NativeBlockPool`, one core pool as a Python class, which
 //!   `hybrid_alloc.integration.scheduler.block_pool.BlockPool` subclasses;
 //! * [`elastic`]: `NativeElasticPools`, the byte budget that elastic per-group pools share
@@ -34,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::BlockTable>()?;
     m.add_class::<views::FreeQueueView>()?;
     m.add_class::<views::FreeBlockIterator>()?;
+    m.add_function(wrap_pyfunction!(block::block_ids, m)?)?;
     m.add("STEP_REMOVE_SKIPPED", running::PHASE_REMOVE_SKIPPED)?;
     m.add("STEP_CACHE_BLOCKS", running::PHASE_CACHE)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
