@@ -54,6 +54,16 @@ class _StubOps:
         return v.clone()
 
 
+def _torch_conv_only(monkeypatch: Any, module: Any) -> None:
+    """Run the conv in torch whatever the CPU: on one with AMX or Arm bf16, vLLM sends a
+    batch whose rows all have the same length to its native conv kernel (and the plugin
+    leaves such batches to it), for which the stand-in SSM kernel above cannot stand in.
+    The tests check the conv that runs in torch, so they run the same path on every
+    machine; `test_equal_rows_left_to_the_native_kernel` checks the dispatch."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(module, "is_arm_bf16", lambda: False)
+
+
 def _layer() -> Any:
     gen = torch.Generator().manual_seed(0)
     conv1d = SimpleNamespace(
@@ -76,6 +86,7 @@ def _run(
     (tokens this step, tokens accepted). Before each step the columns the step reads must
     be the request's last ``WIDTH - 1`` accepted inputs."""
     monkeypatch.setattr(module, "ops", _StubOps)
+    _torch_conv_only(monkeypatch, module)
     gen = torch.Generator().manual_seed(seed)
     state_len = WIDTH - 1 + num_spec
     conv_buf = torch.randn(5, DIM, state_len, generator=gen)  # stale everywhere
@@ -177,7 +188,48 @@ def test_tokens_do_not_depend_on_the_pool(
     steps = data.draw(st.lists(st.lists(step, min_size=2, max_size=2), min_size=1, max_size=6))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(spec_forward, "ops", _StubOps)
+        _torch_conv_only(m, spec_forward)
         one = _serve(spec_forward, num_spec, steps, [0, 2], "zeros")
         other = _serve(spec_forward, num_spec, steps, [4, 1], "noise")
     for t, (a, b) in enumerate(zip(one, other, strict=True)):
         torch.testing.assert_close(a, b, msg=f"step {t}: outputs depend on the state blocks")
+
+
+def test_equal_rows_left_to_the_native_kernel(spec_forward: Any, monkeypatch: Any) -> None:
+    """On a CPU with AMX (or Arm bf16) the plugin's ``_spec_forward`` leaves a batch to
+    vLLM's native conv kernel only when every row is full length (``1 +
+    num_speculative_tokens``); a batch with a short row, even one whose rows all have
+    that one length (which vLLM 0.32 alone sends to the kernel), is corrected in torch."""
+    from hybrid_alloc.integration.worker import cpu_gdn_spec
+
+    if not cpu_gdn_spec.is_installed():
+        pytest.skip("vLLM's own _spec_forward here (no correction installed)")
+    native_calls: list[int] = []
+
+    class NativeOps(_StubOps):
+        @staticmethod
+        def causal_conv1d_update_cpu(*, x: Any, **_: Any) -> Any:
+            native_calls.append(x.shape[1])
+            return x.clone()
+
+    monkeypatch.setattr(spec_forward, "ops", NativeOps)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(spec_forward, "is_conv_state_dim_first", lambda: False)
+    for lens, native in (([2, 2], True), ([1, 1], False), ([1, 2], False), ([2, 1], False)):
+        native_calls.clear()
+        _serve_once(spec_forward, lens)
+        assert bool(native_calls) is native, lens
+
+
+def _serve_once(module: Any, lens: list[int]) -> Any:
+    """One step of two requests of ``lens`` tokens (one draft slot each)."""
+    state_len = WIDTH - 1 + 1
+    conv_buf = torch.zeros(4, DIM, state_len)
+    metadata = SimpleNamespace(
+        num_spec_decodes=2,
+        spec_state_indices_tensor=torch.tensor([[0, 1], [2, 3]]),
+        spec_query_start_loc=torch.tensor([0, lens[0], sum(lens)]),
+        num_accepted_tokens=torch.tensor([1, 1]),
+    )
+    x = torch.randn(sum(lens), DIM)
+    return module._spec_forward(_layer(), metadata, x, x, x, conv_buf, None, WIDTH, state_len)

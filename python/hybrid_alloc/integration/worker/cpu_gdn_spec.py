@@ -24,9 +24,14 @@ The correction replaces ``_spec_forward`` on the torch-fallback path: the conv o
 step reads it), then vLLM's own SSM kernel, unchanged. Full-length rows get the same
 columns as vLLM's roll gives them. Installed by the plugin on CPU platforms for both
 pool backends, so that stock vLLM's pool and ours run the same kernel;
-``HYBRID_ALLOC_CPU_GDN_SPEC_FIX=0`` leaves vLLM's function alone. Rows that run vLLM's
-native conv kernel (AMX or Arm bf16 CPUs, all rows the same length) are not corrected:
-one warning says so the first time a short row takes that path (no such CPU here).
+``HYBRID_ALLOC_CPU_GDN_SPEC_FIX=0`` leaves vLLM's function alone.
+
+On CPUs with AMX or Arm bf16, vLLM 0.32 sends a batch whose rows all have one length to
+its native conv kernel, short rows included, and that kernel keeps a short row's history
+no better: on such a CPU (measured on an AMX Xeon, 2026-12-01) the n-gram engine test's
+tokens differed between stock's pool and ours. The correction leaves a batch to the
+native kernel only when every row is full length (``1 + num_speculative_tokens``), as
+vLLM 0.33 does, and runs any batch with a short row through the conv above.
 """
 
 from __future__ import annotations
@@ -41,12 +46,12 @@ from hybrid_alloc.integration import hooks, versions
 logger = logging.getLogger("vllm.hybrid_alloc")
 
 MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
-_warned_native = False
 
 
-def _uses_native_conv(module: Any, seq_lens: list[int], width: int) -> bool:
-    """vLLM 0.32's own test for its native conv kernel (which this module does not
-    correct), on the same inputs."""
+def _uses_native_conv(module: Any, seq_lens: list[int], width: int, state_len: int) -> bool:
+    """Whether the batch goes to vLLM's native conv kernel: vLLM 0.32's own test (a CPU
+    with AMX or Arm bf16, width 4, rows of one length), and every row full length, the
+    one case that kernel keeps the history for as the next step reads it."""
     import torch
 
     native_cpu = bool(torch.cpu._is_amx_tile_supported()) or bool(module.is_arm_bf16())
@@ -54,8 +59,7 @@ def _uses_native_conv(module: Any, seq_lens: list[int], width: int) -> bool:
         native_cpu
         and width == 4
         and len(seq_lens) > 0
-        and all(q == seq_lens[0] for q in seq_lens)
-        and seq_lens[0] > 0
+        and all(q == state_len - (width - 2) for q in seq_lens)
     )
 
 
@@ -152,18 +156,10 @@ def _corrected_spec_forward(stock: Callable[..., Any]) -> Callable[..., Any]:
         width: int,
         state_len: int,
     ) -> Any:
-        global _warned_native
         n = int(attn_metadata_i.num_spec_decodes)
         starts = [int(s) for s in attn_metadata_i.spec_query_start_loc[: n + 1].tolist()]
         lens = [b - a for a, b in itertools.pairwise(starts)]
-        if _uses_native_conv(module, lens, width):
-            if not _warned_native and any(q < state_len - (width - 2) for q in lens):
-                _warned_native = True
-                logger.warning(
-                    "hybrid_alloc: vLLM's native CPU conv kernel ran speculative rows "
-                    "shorter than 1 + num_speculative_tokens; their conv history is "
-                    "vLLM's (untested here)"
-                )
+        if _uses_native_conv(module, lens, width, state_len):
             return stock(
                 layer,
                 attn_metadata_i,
