@@ -25,7 +25,7 @@ _POOL = NativeBlockPool(64, True, 16, label="block-ids")
 _HANDLES = _POOL.get_new_blocks(63)
 _VLLM_BLOCKS = [VllmBlock(i) for i in range(40)]
 
-# One block: a handle of this package (`n`) or one of vLLM's blocks (`v`), by index.
+# One block: a handle of this package or one of vLLM's own blocks, picked by index.
 _block = st.one_of(
     st.integers(0, len(_HANDLES) - 1).map(lambda i: _HANDLES[i]),
     st.integers(0, len(_VLLM_BLOCKS) - 1).map(lambda i: _VLLM_BLOCKS[i]),
