@@ -217,19 +217,5 @@ def test_equal_rows_left_to_the_native_kernel(spec_forward: Any, monkeypatch: An
     monkeypatch.setattr(spec_forward, "is_conv_state_dim_first", lambda: False)
     for lens, native in (([2, 2], True), ([1, 1], False), ([1, 2], False), ([2, 1], False)):
         native_calls.clear()
-        _serve_once(spec_forward, lens)
+        _serve(spec_forward, 1, [[(q, 1) for q in lens]], [0, 2], "zeros")
         assert bool(native_calls) is native, lens
-
-
-def _serve_once(module: Any, lens: list[int]) -> Any:
-    """One step of two requests of ``lens`` tokens (one draft slot each)."""
-    state_len = WIDTH - 1 + 1
-    conv_buf = torch.zeros(4, DIM, state_len)
-    metadata = SimpleNamespace(
-        num_spec_decodes=2,
-        spec_state_indices_tensor=torch.tensor([[0, 1], [2, 3]]),
-        spec_query_start_loc=torch.tensor([0, lens[0], sum(lens)]),
-        num_accepted_tokens=torch.tensor([1, 1]),
-    )
-    x = torch.randn(sum(lens), DIM)
-    return module._spec_forward(_layer(), metadata, x, x, x, conv_buf, None, WIDTH, state_len)

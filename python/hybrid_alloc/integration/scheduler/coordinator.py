@@ -52,6 +52,7 @@ from hybrid_alloc._native import (
     STEP_REMOVE_SKIPPED,
     NativeBlockPool,
     NativeRunningRequests,
+    block_ids,
 )
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.scheduler.pool_set import PoolSet
@@ -843,7 +844,7 @@ def _append_new_blocks(
     handles when the pool did not hand them out)."""
     req_blocks.extend(new)
     if manager._record_new_block_ids:
-        manager.new_block_ids.extend([b.block_id for b in new] if ids is None else ids)
+        manager.new_block_ids.extend(block_ids(new) if ids is None else ids)
 
 
 def _build_pool_set(
