@@ -34,6 +34,9 @@ pub const NULL_SLAB: SlabId = 0;
 
 /// Pages counted per group: IDs must fit the pools' `u32` block IDs.
 const MAX_PAGES: u64 = u32::MAX as u64;
+/// In the page-to-slab table, a page no slab lends (slab IDs are below `u32::MAX`: the
+/// slab count is a `u32`).
+const NO_SLAB: SlabId = SlabId::MAX;
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
@@ -81,6 +84,11 @@ pub struct ByteBudget {
     /// group's slab idle the longest on this one clock, so the cached pages evicted are the
     /// oldest whichever group holds them, as in vLLM's one shared queue.
     freed_at: Vec<Vec<u64>>,
+    /// Per group, per page: the slab that lends it, or [`NO_SLAB`] (a page straddling two
+    /// slabs). Every page a pool takes, frees or names is looked up here, more than once an
+    /// operation; a table of 4 bytes a page costs one load where the arithmetic costs a
+    /// 64-bit division.
+    slab_of_page: Vec<Vec<SlabId>>,
     /// Slabs whose last live page went out of use since the list was last emptied (each
     /// sync empties it; the caller may reuse their pages last).
     went_idle: Vec<SlabId>,
@@ -152,6 +160,20 @@ impl ByteBudget {
             .iter()
             .map(|&p| vec![0; (total / p) as usize])
             .collect();
+        let slab_of_page = pages
+            .iter()
+            .zip(&per_slab)
+            .map(|(&page, &fit)| {
+                let mut table = vec![NO_SLAB; (total / page) as usize];
+                for s in 0..slabs {
+                    // The first page that starts in slab `s`, and `fit` pages from there
+                    // (all of them end within it: `pages_in`).
+                    let first = (u64::from(s) * slab).div_ceil(page) as usize;
+                    table[first..first + fit as usize].fill(s);
+                }
+                table
+            })
+            .collect();
         Ok(ByteBudget {
             slab_bytes: slab,
             page_bytes: pages,
@@ -166,6 +188,7 @@ impl ByteBudget {
             idle_slabs: vec![BTreeSet::new(); groups],
             idle_since: vec![0; slabs as usize],
             freed_at,
+            slab_of_page,
             went_idle: Vec::new(),
             clock: 0,
             changes: vec![OwnerChanges::default(); groups],
@@ -214,20 +237,19 @@ impl ByteBudget {
     /// The slab whose pages of group `g` include `page`, or `None` for a page no slab
     /// lends (one straddling two slabs, or past the last).
     pub fn slab_of(&self, g: GroupIndex, page: u32) -> Option<SlabId> {
-        let page_bytes = self.page_bytes[g];
-        let start = u64::from(page).checked_mul(page_bytes)?;
-        let s = u32::try_from(start / self.slab_bytes)
-            .ok()
-            .filter(|&s| s < self.num_slabs())?;
-        // `page` is in `pages_in(g, s)`, `first..first + per_slab` with `first` the least
-        // page starting at or after the slab's start. It starts there (`s` is the slab it
-        // starts in), so it is at least `first`; it is below `first + per_slab` exactly
-        // when `page - per_slab` starts before the slab does. No second division: this
-        // runs for every page a pool of elastic pools takes or frees.
-        let per_slab = self.pages_per_slab[g];
-        let in_range = page < per_slab
-            || u64::from(page - per_slab) * page_bytes < u64::from(s) * self.slab_bytes;
-        in_range.then_some(s)
+        self.slab_of_page[g]
+            .get(page as usize)
+            .copied()
+            .filter(|&s| s != NO_SLAB)
+    }
+
+    /// [`ByteBudget::slab_of`], `None` too for a group not in this budget.
+    pub fn slab_of_checked(&self, g: GroupIndex, page: u32) -> Option<SlabId> {
+        self.slab_of_page
+            .get(g)?
+            .get(page as usize)
+            .copied()
+            .filter(|&s| s != NO_SLAB)
     }
 
     pub fn owner(&self, s: SlabId) -> Option<GroupIndex> {
@@ -558,6 +580,48 @@ impl ByteBudget {
         Ok(())
     }
 
+    /// [`ByteBudget::pin`] `k` of group `g`'s pages of slab `s` at once, with one check:
+    /// `true` if done; `false` (nothing changed) where one of those pins would be refused
+    /// (the caller pins them one by one to learn which and why).
+    pub fn pin_many(&mut self, g: GroupIndex, s: SlabId, k: u32) -> bool {
+        let i = s as usize;
+        let fits = g < self.num_groups()
+            && self.owner(s) == Some(g)
+            && self.live[i]
+                .checked_add(k)
+                .is_some_and(|n| n <= self.pages_per_slab[g]);
+        if !fits {
+            return false;
+        }
+        if k > 0 && self.live[i] == 0 {
+            self.idle[g] -= 1;
+            self.unmark_idle(g, s);
+        }
+        self.live[i] += k;
+        self.live_pages[g] += u64::from(k);
+        true
+    }
+
+    /// [`ByteBudget::unpin`] `k` of group `g`'s pages of slab `s` at once, with one check
+    /// (see [`ByteBudget::pin_many`]).
+    pub fn unpin_many(&mut self, g: GroupIndex, s: SlabId, k: u32) -> bool {
+        let i = s as usize;
+        if g >= self.num_groups() || self.owner(s) != Some(g) || self.live[i] < k {
+            return false;
+        }
+        if k == 0 {
+            return true;
+        }
+        self.live[i] -= k;
+        self.live_pages[g] -= u64::from(k);
+        if self.live[i] == 0 {
+            self.idle[g] += 1;
+            self.mark_idle(g, s);
+            self.went_idle.push(s);
+        }
+        true
+    }
+
     /// Free bytes that only their owner can use: free pages in partly used slabs.
     pub fn stranded_bytes(&self) -> u64 {
         (0..self.num_groups())
@@ -692,6 +756,15 @@ mod tests {
                     .filter(|&q| b.slab_of(g, q).is_some())
                     .count();
                 assert_eq!(lent as u32, seen);
+                // The table answers what the bytes say: the slab a page starts in, if the
+                // page is among the slab's first pages-per-slab pages that start in it.
+                let per_slab = u64::from(b.pages_per_slab(g));
+                for q in 0..b.num_pages(g) + 3 {
+                    let s = u64::from(q) * p / slab;
+                    let first = (s * slab).div_ceil(p);
+                    let lent = s < u64::from(b.num_slabs()) && u64::from(q) < first + per_slab;
+                    assert_eq!(b.slab_of(g, q), lent.then_some(s as SlabId), "page {q}");
+                }
                 assert_eq!(b.pages_in(g, NULL_SLAB).start, 0, "page 0 is in slab 0");
                 let waste = b.slab_waste_bytes(g);
                 assert!(waste < 2 * p, "group {g}: {waste} bytes lost per slab");
