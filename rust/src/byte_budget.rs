@@ -235,16 +235,8 @@ impl ByteBudget {
     }
 
     /// The slab whose pages of group `g` include `page`, or `None` for a page no slab
-    /// lends (one straddling two slabs, or past the last).
+    /// lends (one straddling two slabs, or past the last) or a group not in this budget.
     pub fn slab_of(&self, g: GroupIndex, page: u32) -> Option<SlabId> {
-        self.slab_of_page[g]
-            .get(page as usize)
-            .copied()
-            .filter(|&s| s != NO_SLAB)
-    }
-
-    /// [`ByteBudget::slab_of`], `None` too for a group not in this budget.
-    pub fn slab_of_checked(&self, g: GroupIndex, page: u32) -> Option<SlabId> {
         self.slab_of_page
             .get(g)?
             .get(page as usize)

@@ -95,13 +95,6 @@ pub fn adopt(budget: &ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result
 pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Result<(), PoolError> {
     let idle_before = budget.went_idle().len();
     let changes = pool.take_live_changes();
-    let apply = |budget: &mut ByteBudget, page: BlockId, live: bool| {
-        if live {
-            budget.pin(g, page)
-        } else {
-            budget.unpin(g, page)
-        }
-    };
     // Changes come in runs of one direction in one slab (a request's pages, freed or
     // taken together): each run is applied with one check ([`ByteBudget::pin_many`]). A
     // run refused, or a page no slab lends, goes page by page, which finds the change
@@ -112,7 +105,7 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
             break None;
         };
         let mut end = next + 1;
-        if let Some(s) = budget.slab_of_checked(g, page) {
+        if let Some(s) = budget.slab_of(g, page) {
             while changes
                 .get(end)
                 .is_some_and(|&(p, l)| l == live && budget.slab_of(g, p) == Some(s))
@@ -131,7 +124,7 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
             }
         }
         match (next..end).find_map(|i| {
-            apply(budget, changes[i].0, changes[i].1)
+            apply_change(budget, g, changes[i].0, changes[i].1)
                 .err()
                 .map(|e| (i, e))
         }) {
@@ -140,16 +133,44 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
         }
     };
     if let Some((done, e)) = refused {
-        for &(page, live) in changes[..done].iter().rev() {
-            // The exact inverse of a change just made cannot be refused.
-            apply(budget, page, !live)?;
-        }
-        pool.restore_live_changes(changes);
-        budget.forget_went_idle_after(idle_before);
-        return Err(e);
+        return undo_refused_sync(budget, g, pool, changes, done, idle_before, e);
     }
     settle_synced(budget, g, pool, &changes);
     Ok(())
+}
+
+/// One live change passed to the budget: page `page` of group `g` into use or out of it.
+fn apply_change(
+    budget: &mut ByteBudget,
+    g: GroupIndex,
+    page: BlockId,
+    live: bool,
+) -> Result<(), PoolError> {
+    if live {
+        budget.pin(g, page)
+    } else {
+        budget.unpin(g, page)
+    }
+}
+
+/// A [`sync`] refused at `changes[done]` (error `e`): the changes before it undone, the
+/// pool given every change back for a later sync, the idle list as it was; answers `e`.
+fn undo_refused_sync(
+    budget: &mut ByteBudget,
+    g: GroupIndex,
+    pool: &mut GroupPool,
+    changes: Vec<(BlockId, bool)>,
+    done: usize,
+    idle_before: usize,
+    e: PoolError,
+) -> Result<(), PoolError> {
+    for &(page, live) in changes[..done].iter().rev() {
+        // The exact inverse of a change just made cannot be refused.
+        apply_change(budget, g, page, !live)?;
+    }
+    pool.restore_live_changes(changes);
+    budget.forget_went_idle_after(idle_before);
+    Err(e)
 }
 
 /// The end of a [`sync`] whose changes are all applied: slabs that went idle are queued to
@@ -1762,21 +1783,9 @@ mod tests {
     ) -> Result<(), PoolError> {
         let idle_before = budget.went_idle().len();
         let changes = pool.take_live_changes();
-        let apply = |budget: &mut ByteBudget, page: BlockId, live: bool| {
-            if live {
-                budget.pin(g, page)
-            } else {
-                budget.unpin(g, page)
-            }
-        };
         for (done, &(page, live)) in changes.iter().enumerate() {
-            if let Err(e) = apply(budget, page, live) {
-                for &(page, live) in changes[..done].iter().rev() {
-                    apply(budget, page, !live)?;
-                }
-                pool.restore_live_changes(changes);
-                budget.forget_went_idle_after(idle_before);
-                return Err(e);
+            if let Err(e) = apply_change(budget, g, page, live) {
+                return undo_refused_sync(budget, g, pool, changes, done, idle_before, e);
             }
         }
         settle_synced(budget, g, pool, &changes);
