@@ -257,6 +257,12 @@ class ElasticMachine(CountingMachine):
         if not hasattr(self, "elastic"):
             return
         self.elastic.check_invariants()
+        # The one-call state an admission compares is the pool-by-pool read.
+        assert self.elastic.state() == (
+            [pool.get_num_free_blocks() for pool in self.pools],
+            self.elastic.num_unowned,
+            self.elastic.num_reserved,
+        )
         for g, pool in enumerate(self.pools):
             pool.check_invariants()
             holders: Counter[int] = Counter(

@@ -453,6 +453,21 @@ impl NativeElasticPools {
             .collect()
     }
 
+    /// Each group's free pages, the unowned slabs and the reserved slabs, in one call: a
+    /// free or a take changes one of the first two, a reservation the last, so two equal
+    /// answers mean no plan could tell the states apart. An admission check compares the
+    /// state it planned on with the step's (read twice per admission; one call instead of
+    /// a pool-by-pool walk from Python).
+    fn state(slf: &Bound<'_, Self>) -> PyResult<(Vec<usize>, u32, usize)> {
+        let py = slf.py();
+        let this = slf.try_borrow()?;
+        let mut free = Vec::with_capacity(this.pools.len());
+        for pool in this.attached(py)? {
+            free.push(pool.bind(py).try_borrow()?.core.num_free());
+        }
+        Ok((free, this.budget.num_unowned(), this.reserved.len()))
+    }
+
     /// The share of the lendable bytes live pages take (vLLM's `usage`, read every step).
     #[getter]
     fn usage(&self) -> f64 {

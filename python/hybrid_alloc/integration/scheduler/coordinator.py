@@ -57,9 +57,11 @@ from hybrid_alloc._native import (
 from hybrid_alloc.integration.kv_cache_config import PerGroupKVCacheConfig
 from hybrid_alloc.integration.scheduler.pool_set import PoolSet
 from hybrid_alloc.integration.scheduler.quiet_step import (
+    block_tables,
     blocks_held,
     cache_facts,
     has_partial_hit,
+    partial_hit_maps,
     quiet_step_blocks,
     running_requests_table,
 )
@@ -150,6 +152,8 @@ class RunningTableMixin:
         self._quiet_check: NativeRunningRequests | None = running if running.quiet_steps else None
         managers = self.single_type_managers
         self.quiet_step_blocks = quiet_step_blocks(len(managers))
+        self._block_tables = block_tables(managers)
+        self._partial_hit_maps = partial_hit_maps(managers)
         self._windowed = self._quiet_check is not None and any(
             not isinstance(m, FullAttentionManager) for m in managers
         )
@@ -177,8 +181,9 @@ class RunningTableMixin:
                 facts = cache_facts(managers, request_id, cached_tokens, request.num_prompt_tokens)
             running.sync(
                 request_id,
-                blocks_held(managers, request_id),
-                self._quiet_check is not None and has_partial_hit(managers, request_id),
+                blocks_held(self._block_tables, request_id),
+                self._quiet_check is not None
+                and has_partial_hit(self._partial_hit_maps, request_id),
                 length,
                 facts,
             )
@@ -190,11 +195,14 @@ class RunningTableMixin:
         super().remove_skipped_blocks(  # type: ignore[misc]
             request_id, processed_computed_tokens, *args, **kwargs
         )
-        if self._windowed and self._running is not None:
-            self._running.note_removed(
+        running = self._running
+        # The table learns nothing of a request it does not hold yet (a prompt's first
+        # allocation): its first sync reads its blocks.
+        if self._windowed and running is not None and request_id in running:
+            running.note_removed(
                 request_id,
                 max(0, processed_computed_tokens),
-                blocks_held(self.single_type_managers, request_id),
+                blocks_held(self._block_tables, request_id),
             )
 
     def _phases_step(self, kv_manager: Any, request: Any, num_new: int, phases: int) -> Any:
@@ -342,7 +350,9 @@ class PerGroupPoolsMixin(RunningTableMixin):
         # The step `allocate_slots` admitted and has not allocated yet: (request, hit
         # blocks per pool, (pool, pages) per manager); reserved at the step's first
         # allocation (`_reserve_step`).
-        self._admitted_step: tuple[str, list[list[Any]], list[tuple[int, int]]] | None = None
+        self._admitted_step: tuple[str, Sequence[Sequence[Any]], list[tuple[int, int]]] | None = (
+            None
+        )
         # vLLM's `allocate_slots` asks for a waiting request's count twice, first for its
         # full sequence (the admission gate, cap on) and then for the step, and for a
         # prompt taken whole the two questions are the same. Where every manager answers
@@ -521,7 +531,9 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 # gate's plan fitted, and it is the step's.
                 self._admitted_step = (request_id, gate[3], gate[4])
                 return gate[5]  # type: ignore[no-any-return]
-        hits: list[list[Any]] = [[] for _ in self._no_hits]
+        # Per pool, the hits the plan takes: lists only once a group has hits (a fresh
+        # prompt has none).
+        hit_lists: list[list[Any]] | None = None
         news: list[tuple[int, int]] = []
         primary_need = 0
         takes = False  # whether any group takes a hit or a new block
@@ -547,7 +559,9 @@ class PerGroupPoolsMixin(RunningTableMixin):
                 # manager may skip some hits, which over-counts and never under-counts).
                 if not manager.get_num_skipped_tokens(total_computed_tokens):
                     evictable = pool_set.pools[idx].count_evictable(group_hits)
-                hits[idx].extend(group_hits)
+                if hit_lists is None:
+                    hit_lists = [[] for _ in self._no_hits]
+                hit_lists[idx].extend(group_hits)
             if self._align_state[gid]:
                 n += uncounted_loaded_blocks(
                     manager,
@@ -561,6 +575,7 @@ class PerGroupPoolsMixin(RunningTableMixin):
             takes = takes or new > 0
             if idx == primary:
                 primary_need += n
+        hits = self._no_hits if hit_lists is None else hit_lists
         if apply_admission_cap and self._allocating is None and _allocate_slots_is_ours():
             return self._reservation_query(request_id, news)
         loads_reserved = self._allocating == request_id and self._load_reserved_blocks
@@ -586,13 +601,13 @@ class PerGroupPoolsMixin(RunningTableMixin):
             )
         return primary_need
 
-    def _pools_state(self) -> tuple[tuple[int, ...], int, int]:
+    def _pools_state(self) -> tuple[list[int], int, int]:
         """Elastic pools: each pool's free pages, the budget's unowned slabs and its
         reserved steps. A block freed or taken changes one of the first two (a free adds
         a page to its pool's queue unless its slab goes back to the budget, which adds an
         unowned slab), and a plan counts the reservations too."""
         e: Any = self.pool_set.elastic
-        return self.pool_set.free_counts(), e.num_unowned, e.num_reserved
+        return e.state()  # type: ignore[no-any-return]
 
     def _decode_room_asks(self, request_id: str) -> list[tuple[int, int]]:
         """(pool, pages) the running requests lack for ``decode_room_tokens`` more tokens
