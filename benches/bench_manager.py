@@ -11,7 +11,9 @@ sizing the engine core runs) for a full-size shipped config on four layouts:
 * **elastic**: per-group pools over one byte budget (the default).
 
 The same requests are driven through each, as vLLM's scheduler calls the manager: every
-request's prefill (prefix lookup, ``allocate_slots`` for the prompt, its block IDs for the
+request's prefill (prefix lookup; ``allocate_slots`` for its first chunk with the
+scheduler's arguments for a waiting request, whole-prompt admission gate and watermark
+included, and for each later chunk as for a running request; its block IDs for the
 scheduler output), then ``--decode-steps`` steps in which every request decodes one token
 (``allocate_slots`` for one slot, the new blocks' IDs, the step's new block IDs for
 zeroing), then every request freed. In each round (``--rounds``) the layouts are built side
@@ -119,6 +121,8 @@ class MixRun:
         from vllm.v1.request import RequestStatus
 
         manager = self.manager
+        full_sequence_must_fit = self.engine.scheduler.scheduler_reserve_full_isl
+        admitted = 0
         t0 = time.perf_counter()
         for req in self.requests:
             computed, num_hit = manager.get_computed_blocks(req)[:2]
@@ -132,8 +136,25 @@ class MixRun:
                     # A later chunk: the scheduler's call for a running request.
                     new = manager.allocate_slots(req, n, num_lookahead_tokens=0)
                 else:
-                    new = manager.allocate_slots(req, n, num_hit, computed)
+                    # The scheduler's call for a waiting request, with its arguments: the
+                    # whole-prompt admission gate (`scheduler_reserve_full_isl`, on by
+                    # default) and the watermark once other requests run.
+                    new = manager.allocate_slots(
+                        req,
+                        n,
+                        num_new_computed_tokens=num_hit,
+                        new_computed_blocks=computed,
+                        num_lookahead_tokens=0,
+                        num_external_computed_tokens=0,
+                        delay_cache_blocks=False,
+                        skip_zeroing_group_ids=(),
+                        num_encoder_tokens=0,
+                        full_sequence_must_fit=full_sequence_must_fit,
+                        reserved_blocks=0,
+                        has_scheduled_reqs=admitted > 0,
+                    )
                     req.status = RequestStatus.RUNNING  # admitted, as the scheduler marks it
+                    admitted += 1
                 if new is None:
                     raise RuntimeError(
                         f"{self.name}: request {req.request_id} not admitted: the mix does "
