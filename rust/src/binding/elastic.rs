@@ -453,11 +453,11 @@ impl NativeElasticPools {
             .collect()
     }
 
-    /// Each group's free pages, the unowned slabs and the reserved slabs, in one call: a
-    /// free or a take changes one of the first two, a reservation the last, so two equal
-    /// answers mean no plan could tell the states apart. An admission check compares the
-    /// state it planned on with the step's (read twice per admission; one call instead of
-    /// a pool-by-pool walk from Python).
+    /// Each group's free pages, the unowned slabs and the reserved slabs, in one call. An
+    /// admission's second ask compares it with the first's (`_pools_state` in the
+    /// coordinator): only frees run between the two, and a free adds a page to its
+    /// group's queue or a slab to the unowned ones, so the answers differ whenever the
+    /// pools did. One call instead of a pool-by-pool walk from Python, twice an admission.
     fn state(slf: &Bound<'_, Self>) -> PyResult<(Vec<usize>, u32, usize)> {
         let py = slf.py();
         let this = slf.try_borrow()?;
