@@ -348,6 +348,15 @@ MUTANTS = (
         # test_get_block_ids_answers_as_vllm: None where vLLM lists the other group's IDs.
         ("tests/manager/test_block_ids.py",),
     ),
+    Mutant(
+        "cached-estimate-skips-caching",
+        "the prefill statistics' cached-token estimate answers 0 with prefix caching on too",
+        "python/hybrid_alloc/integration/scheduler/manager_patches.py",
+        "    if not manager.enable_caching:\n",
+        "    if True:\n",
+        # The per-group machine's invariant: ours against vLLM's loop over the handles.
+        ("tests/manager/test_fuzz_per_group.py",),
+    ),
 )
 
 

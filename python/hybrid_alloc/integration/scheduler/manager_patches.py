@@ -54,6 +54,11 @@ def estimate_cached_tokens(manager: Any, request: Any) -> int:
     hash any of its blocks carries, then the narrowest over the groups (0 if no group
     counts). One pool call per group; vLLM's own loop where a group's blocks are not
     from this package's pools."""
+    if not manager.enable_caching:
+        # Without prefix caching no manager caches a block (vLLM's coordinator passes the
+        # flag to each), so no block carries a hash and vLLM's loop answers 0: once per
+        # request in every 'none'-mode engine, its block list not read.
+        return 0
     narrowest: int | None = None
     groups = manager.kv_cache_config.kv_cache_groups
     held = manager.get_blocks(request.request_id).blocks
