@@ -136,6 +136,7 @@ pub fn sync(budget: &mut ByteBudget, g: GroupIndex, pool: &mut GroupPool) -> Res
         return undo_refused_sync(budget, g, pool, changes, done, idle_before, e);
     }
     settle_synced(budget, g, pool, &changes);
+    pool.recycle_live_changes(changes);
     Ok(())
 }
 

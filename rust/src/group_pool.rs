@@ -107,6 +107,20 @@ impl GroupPool {
             .unwrap_or_default()
     }
 
+    /// Hand back the buffer of changes [`take_live_changes`](Self::take_live_changes)
+    /// returned, once they are applied: emptied, it becomes the log again if nothing was
+    /// recorded since, so the next operation logs into memory already there instead of
+    /// growing a new buffer page by page (a request's pages are logged at every admission
+    /// and every free).
+    pub fn recycle_live_changes(&mut self, mut changes: Vec<(BlockId, bool)>) {
+        if let Some(log) = self.live_changes.as_mut() {
+            if log.is_empty() && log.capacity() < changes.capacity() {
+                changes.clear();
+                *log = changes;
+            }
+        }
+    }
+
     /// Put changes taken with [`take_live_changes`](Self::take_live_changes) back in front
     /// of any recorded since (a sync that failed keeps them for the next one).
     pub fn restore_live_changes(&mut self, mut changes: Vec<(BlockId, bool)>) {
@@ -266,7 +280,9 @@ impl GroupPool {
     /// passed over.
     pub fn free(&mut self, ids: &[BlockId]) -> Result<(), PoolError> {
         self.check_ids(ids)?;
-        let mut front = Vec::new();
+        // Sized for the common case, every block freed uncached (one allocation, not one
+        // per doubling); `back` (cached blocks) allocates only if one comes.
+        let mut front = Vec::with_capacity(ids.len());
         let mut back = Vec::new();
         for (k, &id) in ids.iter().enumerate() {
             if id == NULL_BLOCK_ID {
@@ -662,6 +678,47 @@ mod tests {
         let mut k = vec![];
         make_key(&mut k, h.as_bytes(), g);
         k
+    }
+
+    #[test]
+    fn a_recycled_change_buffer_logs_only_what_comes_after() {
+        let mut p = GroupPool::new(64, false, 16).unwrap();
+        p.track_live_changes(true);
+        let a = p.allocate(40, noop).unwrap();
+        let taken = p.take_live_changes();
+        assert_eq!(taken.len(), 40);
+        let capacity = taken.capacity();
+        p.recycle_live_changes(taken);
+        assert!(
+            p.take_live_changes().is_empty(),
+            "a recycled buffer came back full"
+        );
+        // A buffer handed back with items in it is emptied first.
+        let mut buffer = Vec::with_capacity(2 * capacity);
+        buffer.push((0, true));
+        p.recycle_live_changes(buffer);
+        p.free(&a[..3]).unwrap();
+        let changes = p.take_live_changes();
+        assert_eq!(
+            changes,
+            a[..3].iter().map(|&id| (id, false)).collect::<Vec<_>>()
+        );
+        assert!(
+            changes.capacity() >= 2 * capacity,
+            "the buffer was not reused"
+        );
+        // Changes recorded since the take are never dropped by a recycle.
+        p.free(&a[3..5]).unwrap();
+        p.recycle_live_changes(Vec::with_capacity(4 * capacity));
+        assert_eq!(
+            p.take_live_changes(),
+            a[3..5].iter().map(|&id| (id, false)).collect::<Vec<_>>()
+        );
+        // Untracked pools keep no log, recycled or not.
+        p.track_live_changes(false);
+        p.recycle_live_changes(Vec::with_capacity(8));
+        p.free(&a[5..6]).unwrap();
+        assert!(p.take_live_changes().is_empty());
     }
 
     #[test]
