@@ -29,7 +29,9 @@ tells into the child's JSON:
 * ``reset_prefix_cache_ok``: ``LLM.reset_prefix_cache()`` after the workload (vLLM refuses
   it while any block is held);
 * ``error_lines``: vLLM ERROR/CRITICAL log lines; ``returncode`` of the child;
-* ``prompts``: the prompts, in workload order.
+* ``prompts``: the prompts, in workload order;
+* ``aborts``: with ``--abort-every``, each aborted request, the step after which it was
+  aborted and where it stood then (waiting, prefill or decode).
 
 The workload is ``--waves`` waves; each wave sends ``--num-prefixes`` x
 ``--prompts-per-prefix`` token-ID prompts. All prompts with the same prefix index share a
@@ -254,10 +256,19 @@ def _child_main(args: argparse.Namespace) -> int:
     outputs: list[list[int]] = []
     wave_s: list[float] = []
     transfer_params: list[Any] = []
+    aborts: list[dict[str, Any]] = []
     engine_core_step = _engine_core_step(llm, args)
     for index, prompts in enumerate(waves):
         params = _wave_params(args, index, len(prompts))
         t = time.perf_counter()
+        if args.abort_every:
+            wave_outputs, wave_aborts = _generate_aborting(
+                llm, index, prompts, params, args.abort_every
+            )
+            wave_s.append(time.perf_counter() - t)
+            outputs.extend(wave_outputs)
+            aborts.extend(wave_aborts)
+            continue
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wave_s.append(time.perf_counter() - t)
         outputs.extend(
@@ -301,6 +312,7 @@ def _child_main(args: argparse.Namespace) -> int:
         "reset_prefix_cache_ok": reset_ok,
         "outputs": outputs,
         "kv_transfer_params": transfer_params,
+        "aborts": aborts,
         # The prompts, in workload order: tests.helpers.replay_prompts builds on them.
         "prompts": [p for w in waves for p in w],
     }
@@ -329,6 +341,76 @@ def _wait_for(
         if step is not None:
             step()
         time.sleep(0.05)
+
+
+ABORT_STAGES = ("waiting", "prefill", "decode")
+"""Where aborted requests are caught, in turn (``--abort-every``)."""
+
+ABORT_AFTER_TOKENS = 3
+"""A request aborted while decoding goes once it has this many output tokens."""
+
+
+def abort_stage(position: int, every: int) -> str | None:
+    """Where the wave's request at ``position`` is aborted (``--abort-every``): every
+    ``every``-th request, caught in turn still waiting for a slot, between two chunks of
+    its prompt, or decoding; None: it runs to its end."""
+    if position % every != every - 1:
+        return None
+    return ABORT_STAGES[(position // every) % len(ABORT_STAGES)]
+
+
+def _stage(request: Any) -> str:
+    from vllm.v1.request import RequestStatus
+
+    if request.status == RequestStatus.WAITING:
+        return "waiting"
+    if request.num_computed_tokens < request.num_prompt_tokens:
+        return "prefill"
+    return "decode"
+
+
+def _generate_aborting(
+    llm: Any, wave: int, prompts: Sequence[list[int]], params: Any, every: int
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """One wave as ``LLM.generate`` runs it, stepping the engine by hand, and aborting the
+    requests ``abort_stage`` names at the first step that leaves them there, as a server
+    does when a client goes away (or vLLM's front end when a stop string comes out). The
+    engine core runs in this process (``--one-process``), so an abort takes effect before
+    the next step, at the same step in every run. Returns each prompt's tokens (an
+    aborted request's: those it had) and, per abort, the step and the stage."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    external = [f"wave{wave}-{i}" for i in range(len(prompts))]
+    internal = {
+        rid: engine.add_request(rid, {"prompt_token_ids": p}, params)
+        for rid, p in zip(external, prompts, strict=True)
+    }
+    pending = {
+        rid: stage for i, rid in enumerate(external) if (stage := abort_stage(i, every)) is not None
+    }
+    tokens: dict[str, list[int]] = {rid: [] for rid in external}
+    aborts: list[dict[str, Any]] = []
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        due = []
+        for rid, stage in list(pending.items()):
+            request = scheduler.requests.get(internal[rid])
+            if request is None:
+                del pending[rid]  # finished before it got there
+                continue
+            if _stage(request) != stage or (
+                stage == "decode" and request.num_output_tokens < ABORT_AFTER_TOKENS
+            ):
+                continue
+            aborts.append({"request": rid, "step": step, "stage": stage})
+            due.append(rid)
+            del pending[rid]
+        if due:
+            engine.abort_request(due)
+    return [tokens[rid] for rid in external], aborts
 
 
 def _engine_core_step(llm: Any, args: argparse.Namespace) -> Callable[[], Any] | None:
@@ -654,6 +736,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument(
+        "--abort-every",
+        type=int,
+        default=0,
+        help="abort every N-th request of a wave, caught in turn waiting, mid-prefill and "
+        "decoding (needs --one-process; 0: none)",
+    )
+    p.add_argument(
         "--samples-per-prompt",
         type=int,
         default=1,
@@ -718,6 +807,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pd-role needs --pd-dir")
     if args.samples_per_prompt < 1:
         parser.error("--samples-per-prompt must be at least 1")
+    if args.abort_every < 0:
+        parser.error("--abort-every must be 0 or more")
+    if args.abort_every and (args.pd_role is not None or args.samples_per_prompt != 1):
+        parser.error("--abort-every is for a single engine sampling each prompt once")
+    if args.abort_every and not args.one_process:
+        parser.error("--abort-every needs --one-process (the abort's step is then fixed)")
     if args.pd_role is not None and args.samples_per_prompt != 1:
         parser.error("--samples-per-prompt is for a single engine, not a P/D side")
     if args.one_process and not str(args.cpu_bind).isdigit():
