@@ -134,3 +134,84 @@ def test_cli_async_scheduling(capsys: pytest.CaptureFixture[str]) -> None:
     args += ["--num-requests", "8", "--async-scheduling", "--time-model", "fixed"]
     assert main(args) == 0
     assert "requests finished" in capsys.readouterr().out
+
+
+def _block_trail(out: Any) -> tuple[Any, ...]:
+    """What a step scheduled and the block IDs it handed out, request by request."""
+    cached = out.scheduled_cached_reqs
+    return (
+        sorted(out.num_scheduled_tokens.items()),
+        [(r.req_id, [list(ids) for ids in r.block_ids]) for r in out.scheduled_new_reqs],
+        [
+            (rid, None if ids is None else [list(g) for g in ids])
+            for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)
+        ],
+        sorted(out.preempted_req_ids or ()),
+    )
+
+
+def _run_trail(
+    name: str, config: Any, trace: Trace, layout: str, table_steps: bool
+) -> tuple[Any, list[tuple[Any, ...]]]:
+    from hybrid_alloc.integration.simulator import run as sim_run
+    from hybrid_alloc.planner import load_config
+    from hybrid_alloc.vllm_specs import load_model_spec
+
+    sim = _sim()
+    cfg = load_config(name)
+    model = load_model_spec(cfg, config.specs, dtype=config.dtype)
+    trail: list[tuple[Any, ...]] = []
+    with sim.layout_installed(layout), sim.quiet_vllm(True):
+        engine = sim.build_engine(cfg, model, config, layout)
+        coordinator = engine.scheduler.kv_cache_manager.coordinator
+        assert coordinator._quiet_check is not None, "no running-requests table here"
+        if not table_steps:
+            # Every running request's step through vLLM's whole `allocate_slots`.
+            coordinator._quiet_check = None
+        requests, _ = sim_run.requests_from_trace(
+            trace, config.step_ms, config.max_model_len, config.token_seed
+        )
+        result = sim_run.run_engine(
+            engine,
+            requests,
+            config.step_ms,
+            max_steps=100_000,
+            on_step=lambda _engine, out: trail.append(_block_trail(out)),
+        )
+    return result, trail
+
+
+@settings(max_examples=budget(6), deadline=None)
+@given(
+    trace=small_traces(),
+    mode=st.sampled_from(["none", "align"]),
+    layout=st.sampled_from(["elastic", "per-group"]),
+    max_num_seqs=st.integers(2, 6),
+    worth=st.floats(1.0, 1.6),
+)
+def test_table_steps_decide_as_vllm_under_async(
+    trace: Trace, mode: str, layout: str, max_num_seqs: int, worth: float
+) -> None:
+    """Under the async scheduler a running request's step is asked for with its last
+    token in flight, and its blocks are cached between its steps (from
+    ``update_from_output``). The running-requests table's shortcuts (quiet steps, steps
+    that only grow, free or cache) must still decide as vLLM's whole ``allocate_slots``:
+    the same steps, requests and block IDs, step by step, with them and without."""
+    sim = _sim()
+    name = "qwen3.5-0.8b"
+    config = sim.SimSettings(
+        memory=tight_memory(name, mode, max_num_seqs, worth),
+        mamba_cache_mode=mode,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+        async_scheduling=True,
+        time_model="fixed",
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
+        fast, fast_trail = _run_trail(name, config, trace, layout, table_steps=True)
+        whole, whole_trail = _run_trail(name, config, trace, layout, table_steps=False)
+    assert fast.ok and whole.ok, (fast.error, whole.error)
+    assert fast.finished == len(trace)
+    assert fast_trail == whole_trail
