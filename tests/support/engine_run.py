@@ -362,8 +362,8 @@ def abort_stage(position: int, every: int) -> str | None:
 def _stage(request: Any) -> str:
     from vllm.v1.request import RequestStatus
 
-    if request.status == RequestStatus.WAITING:
-        return "waiting"
+    if request.status != RequestStatus.RUNNING:
+        return "waiting"  # queued: new, or preempted
     if request.num_computed_tokens < request.num_prompt_tokens:
         return "prefill"
     return "decode"
