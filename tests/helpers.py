@@ -883,6 +883,34 @@ def check_pair(
         assert_every_block_back(ours["probe"][event], event)
 
 
+CACHING_MODES: dict[str, tuple[str, str]] = {
+    "align": ("--prefix-caching", "PerGroupHybridCoordinator"),
+    "none": ("--no-prefix-caching", "PerGroupNoPrefixCacheCoordinator"),
+}
+"""Per Mamba cache mode: engine_run's prefix-caching flag and the coordinator the
+per-group engine builds with it."""
+
+
+def caching_modes(slow_none: str) -> list[Any]:
+    """``mode`` parameters for an engine test run in both modes: 'align' in the quick
+    set, 'none' in the full set only (``slow_none``: what that run adds)."""
+    return ["align", pytest.param("none", marks=slow_e2e(slow_none))]
+
+
+def run_checked_pair(
+    model: Path, workdir: Path, mode: str, workload: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Stock and elastic per-group pools (the engine's default) on ``workload`` in
+    ``mode``, side by side, checked by :func:`check_pair`: same tokens, no preemption,
+    every block back. With prefix caching the per-group engine caches 128-token blocks
+    where stock's are 256 tokens long, so their hits may differ."""
+    flag, coordinator = CACHING_MODES[mode]
+    pair = run_pair(model, workdir, [flag, *workload])
+    check_pair(pair, coordinator, same_hits=mode != "align")
+    assert "elastic" in pair["per_group"]["probe"]["init"]
+    return pair
+
+
 def assert_every_block_back(state: dict[str, Any], event: str = "") -> None:
     """A probe state (``ours["probe"][event]``) with every block back in its pool: for one
     pool or a static split, every block but the null block free; for elastic pools, no

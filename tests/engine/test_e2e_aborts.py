@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import check_pair, run_pair, slow_e2e
+from tests.helpers import caching_modes, run_checked_pair
 
 MAX_NUM_SEQS = 4
 WORKLOAD = [
@@ -44,34 +44,15 @@ WORKLOAD = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.tiny_model import write_tiny_hybrid_model
-
-    return write_tiny_hybrid_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("mode", "coordinator"),
-    [
-        ("align", "PerGroupHybridCoordinator"),
-        pytest.param(
-            "none",
-            "PerGroupNoPrefixCacheCoordinator",
-            marks=slow_e2e("aborts without prefix caching: no aborted block is cached"),
-        ),
-    ],
+    "mode", caching_modes("aborts without prefix caching: no aborted block is cached")
 )
-def test_aborted_requests(mode: str, coordinator: str, qwen3_next: Path, tmp_path: Path) -> None:
-    caching = "--prefix-caching" if mode == "align" else "--no-prefix-caching"
-    pair = run_pair(qwen3_next, tmp_path, [caching, *WORKLOAD])
+def test_aborted_requests(mode: str, qwen3_next: Path, tmp_path: Path) -> None:
     # Same tokens (each aborted request's so far), no preemption, every block back after
-    # the waves (vLLM's reset refuses while any block is held). With prefix caching the
-    # per-group engine caches 128-token blocks where stock's are 256 tokens long.
-    check_pair(pair, coordinator, same_hits=mode != "align")
+    # the waves (vLLM's reset refuses while any block is held).
+    pair = run_checked_pair(qwen3_next, tmp_path, mode, WORKLOAD)
     stock, ours = pair["stock"], pair["per_group"]
-    assert "elastic" in ours["probe"]["init"]  # the engine's default: elastic pools
     assert ours["aborts"] == stock["aborts"]
     # Requests were aborted at every stage: waiting, between prefill chunks, decoding.
     assert {a["stage"] for a in ours["aborts"]} == {"waiting", "prefill", "decode"}, ours["aborts"]

@@ -41,13 +41,6 @@ def turnover_waves(seed: int = 0, vocab: int = 500) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.tiny_model import write_tiny_hybrid_model
-
-    return write_tiny_hybrid_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
-
-
-@pytest.fixture(scope="module")
 def turnover_pair(qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("elastic_turnover")
     prompts = workdir / "waves.json"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import check_pair, run_pair, slow_e2e
+from tests.helpers import caching_modes, run_checked_pair
 
 SAMPLES = 4
 MAX_NUM_SEQS = 6
@@ -42,33 +42,14 @@ WORKLOAD = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.tiny_model import write_tiny_hybrid_model
-
-    return write_tiny_hybrid_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("mode", "coordinator"),
-    [
-        ("align", "PerGroupHybridCoordinator"),
-        pytest.param(
-            "none",
-            "PerGroupNoPrefixCacheCoordinator",
-            marks=slow_e2e("parallel sampling without prefix caching: no block is shared"),
-        ),
-    ],
+    "mode", caching_modes("parallel sampling without prefix caching: no block is shared")
 )
-def test_parallel_sampling(mode: str, coordinator: str, qwen3_next: Path, tmp_path: Path) -> None:
-    caching = "--prefix-caching" if mode == "align" else "--no-prefix-caching"
-    pair = run_pair(qwen3_next, tmp_path, [caching, *WORKLOAD])
-    # Same tokens, no preemption, every block back. With prefix caching the per-group
-    # engine caches 128-token blocks where stock's are 256 tokens long, so hits differ.
-    check_pair(pair, coordinator, same_hits=mode != "align")
+def test_parallel_sampling(mode: str, qwen3_next: Path, tmp_path: Path) -> None:
+    # Same tokens, no preemption, every block back.
+    pair = run_checked_pair(qwen3_next, tmp_path, mode, WORKLOAD)
     stock, ours = pair["stock"], pair["per_group"]
-    assert "elastic" in ours["probe"]["init"]  # the engine's default: elastic pools
     num_prompts = ours["workload"]["num_prompts"]
     outputs = ours["outputs"]
     assert len(outputs) == num_prompts * SAMPLES

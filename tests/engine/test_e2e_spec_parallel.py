@@ -41,13 +41,6 @@ SMALL = [
 TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.tiny_model import write_tiny_hybrid_model
-
-    return write_tiny_hybrid_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
-
-
 def versions_fix_applies() -> bool:
     """Whether this vLLM's CPU GDN path gets the plugin's correction."""
     from hybrid_alloc.integration import versions

@@ -207,3 +207,63 @@ def small_traces(draw: st.DrawFn) -> Trace:
         )
     requests.sort(key=lambda r: r.arrival)
     return Trace("random", tuple(requests))
+
+
+RANDOM_CELLS: dict[str, Any] = {
+    "trace": small_traces(),
+    "name": st.sampled_from(SMALL_MODELS),
+    "mode": st.sampled_from(["none", "align"]),
+    "max_num_seqs": st.integers(2, 6),
+    "worth": st.floats(1.0, 1.6),
+    "batched": st.sampled_from([512, 2048, 8192]),
+}
+"""``@given(**RANDOM_CELLS)``: a random small cell, its trace and engine settings (memory
+for ``worth`` requests: :func:`tight_memory`)."""
+
+
+def simulate_random_cell(
+    trace: Trace,
+    name: str,
+    mode: str,
+    max_num_seqs: int,
+    worth: float,
+    batched: int,
+    layouts: tuple[str, ...],
+    **settings: Any,
+) -> Any:
+    """Simulate a :data:`RANDOM_CELLS` cell on ``layouts`` (``settings``: more
+    ``SimSettings``), bounded in steps: a layout that can never admit a request fails
+    instead of hanging. Per-group pools in 'align' mode run on these models at the
+    configured block size (the default keeps vLLM's layout there:
+    ``test_align_mode_default_is_vllms_layout``)."""
+    import pytest
+
+    from hybrid_alloc.integration import simulator as sim
+
+    config = sim.SimSettings(
+        memory=tight_memory(name, mode, max_num_seqs, worth),
+        mamba_cache_mode=mode,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=SMALL_MAX_MODEL_LEN,
+        **settings,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
+        return sim.simulate(name, config, trace, layouts=layouts, max_steps=100_000)
+
+
+def served_layouts(result: Any, trace: Trace) -> list[tuple[str, Any]]:
+    """The layouts of ``result`` that ran, each checked to have finished every request
+    with its whole output and every block back; elastic pools refused at startup (vLLM
+    refuses a budget without room for one request) are left out."""
+    served = []
+    for layout, r in result.layouts.items():
+        if layout == "elastic" and r.error and "one " in r.error and "request needs" in r.error:
+            continue
+        assert r.ok, f"{layout}: {r.error}"
+        assert r.finished == r.requests == len(trace)
+        assert r.leaked_blocks and all(n == 0 for n in r.leaked_blocks.values()), r.leaked_blocks
+        assert r.generated_tokens == sum(q.output_len for q in trace.requests)
+        served.append((layout, r))
+    return served

@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 
 from hybrid_alloc.traces import Trace
 from tests.simulate.cases import (
+    RANDOM_CELLS,
     SMALL_MAX_MODEL_LEN,
-    SMALL_MODELS,
     budget,
+    served_layouts,
+    simulate_random_cell,
     small_traces,
     tight_memory,
 )
@@ -53,38 +55,13 @@ def _sim() -> Any:
 
 
 @settings(max_examples=budget(10), deadline=None)
-@given(
-    trace=small_traces(),
-    name=st.sampled_from(SMALL_MODELS),
-    mode=st.sampled_from(["none", "align"]),
-    max_num_seqs=st.integers(2, 6),
-    worth=st.floats(1.0, 1.6),
-    batched=st.sampled_from([512, 2048, 8192]),
-)
+@given(**RANDOM_CELLS)
 def test_async_scheduler_on_every_layout(
     trace: Trace, name: str, mode: str, max_num_seqs: int, worth: float, batched: int
 ) -> None:
-    sim = _sim()
-    config = sim.SimSettings(
-        memory=tight_memory(name, mode, max_num_seqs, worth),
-        mamba_cache_mode=mode,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=batched,
-        max_model_len=SMALL_MAX_MODEL_LEN,
-        async_scheduling=True,
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        # Per-group pools in 'align' mode on these models at the configured block size
-        # (the default keeps vLLM's layout there: see test_simulator.py).
-        mp.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
-        result = sim.simulate(name, config, trace, layouts=LAYOUTS, max_steps=100_000)
-    for layout, r in result.layouts.items():
-        if layout == "elastic" and r.error and "one " in r.error and "request needs" in r.error:
-            continue  # refused at startup, as vLLM refuses a budget without one request
-        assert r.ok, f"{layout}: {r.error}"
-        assert r.finished == r.requests == len(trace)
-        assert r.leaked_blocks and all(n == 0 for n in r.leaked_blocks.values()), r.leaked_blocks
-        assert r.generated_tokens == sum(q.output_len for q in trace.requests)
+    cell = (trace, name, mode, max_num_seqs, worth, batched)
+    result = simulate_random_cell(*cell, layouts=LAYOUTS, async_scheduling=True)
+    for layout, r in served_layouts(result, trace):
         if layout != "stock":
             assert r.invariants_ok is True, layout
     stock, drop_in = (result.layouts[k].to_json(with_series=True) for k in ("stock", "drop-in"))

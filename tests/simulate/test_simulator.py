@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from hybrid_alloc.traces import Trace, TraceRequest, chat_trace, write_jsonl
 from tests.simulate.cases import (
+    RANDOM_CELLS,
     SMALL_MAX_MODEL_LEN,
-    SMALL_MODELS,
     budget,
-    small_traces,
+    served_layouts,
+    simulate_random_cell,
     tight_memory,
 )
 
@@ -42,14 +42,7 @@ def _sim() -> Any:
 
 
 @settings(max_examples=budget(15), deadline=None)
-@given(
-    trace=small_traces(),
-    name=st.sampled_from(SMALL_MODELS),
-    mode=st.sampled_from(["none", "align"]),
-    max_num_seqs=st.integers(2, 6),
-    worth=st.floats(1.0, 1.6),
-    batched=st.sampled_from([512, 2048, 8192]),
-)
+@given(**RANDOM_CELLS)
 def test_random_traces_finish_without_leaks(
     trace: Trace, name: str, mode: str, max_num_seqs: int, worth: float, batched: int
 ) -> None:
@@ -57,29 +50,11 @@ def test_random_traces_finish_without_leaks(
     blocks aside) and every Rust pool's invariants hold; the layouts preempt or not, hit
     the prefix cache or not, as the trace and the memory make them."""
     sim = _sim()
-    memory = tight_memory(name, mode, max_num_seqs, worth)
-    config = sim.SimSettings(
-        memory=memory,
-        mamba_cache_mode=mode,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=batched,
-        max_model_len=SMALL_MAX_MODEL_LEN,
-    )
-    # A bound on steps: a layout that can never admit a request fails instead of hanging.
-    # Per-group pools in 'align' mode run on these models only at the configured block
-    # size (test_align_mode_default_is_vllms_layout has the default).
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HYBRID_ALLOC_FINE_ALIGN_BLOCKS", "1")
-        result = sim.simulate(name, config, trace, layouts=sim.ALL_LAYOUTS, max_steps=100_000)
-    for layout, r in result.layouts.items():
-        if layout == "elastic" and r.error and "one " in r.error and "request needs" in r.error:
-            continue  # refused at startup, as vLLM refuses a budget without one request
-        assert r.ok, f"{layout}: {r.error}"
-        assert r.finished == r.requests == len(trace)
-        assert r.leaked_blocks and all(n == 0 for n in r.leaked_blocks.values()), r.leaked_blocks
+    cell = (trace, name, mode, max_num_seqs, worth, batched)
+    result = simulate_random_cell(*cell, layouts=sim.ALL_LAYOUTS)
+    for _, r in served_layouts(result, trace):
         # Prompts and outputs fit the context: every request generates its whole output.
         assert r.clipped == 0
-        assert r.generated_tokens == sum(q.output_len for q in trace.requests)
         if mode == "none":
             assert r.prefix_queries == r.prefix_hits == 0
             # Without prefix caching every prompt token is computed once, every output
